@@ -1,0 +1,261 @@
+"""
+GPT-2 in one file: the model, its init, optimizer groups, loading OpenAI/HF weights, generation.
+Parameter names follow OpenAI/HF GPT-2 (transformer.wte, transformer.h.N.attn.c_attn, ...), so
+weights move between this model and HF's GPT2LMHeadModel with only the Conv1D transposes.
+"""
+import inspect
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # max sequence length (positions)
+    vocab_size: int = 50257  # 50,000 BPE merges + 256 bytes + <|endoftext|>
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, f"n_embd={config.n_embd} must be divisible by n_head={config.n_head}"
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALE_INIT = True  # writes into the residual stream: init scaled down
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+
+    def forward(self, x, kv_cache=None, start_pos=0):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if kv_cache is None or start_pos == 0:
+            mask = None  # plain causal attention over these T tokens
+        else:
+            # the T new queries sit at positions start_pos.. and see every cached key before them
+            mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=x.device).tril(start_pos)
+        if kv_cache is not None:  # (2, B, nh, block_size, hs), filled up to start_pos
+            kv_cache[0, :, :, start_pos:start_pos + T] = k
+            kv_cache[1, :, :, start_pos:start_pos + T] = v
+            k, v = kv_cache[0, :, :, :start_pos + T], kv_cache[1, :, :, :start_pos + T]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate='tanh')  # GPT-2 was trained with the tanh approximation
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALE_INIT = True
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x, kv_cache=None, start_pos=0):
+        x = x + self.attn(self.ln_1(x), kv_cache, start_pos)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied input/output embeddings, as GPT-2
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, 'RESIDUAL_SCALE_INIT', False):
+                std *= (2 * self.config.n_layer) ** -0.5  # two residual additions per layer
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None, kv_cache=None, start_pos=0):
+        # idx: (B, T) token ids; targets: (B, T) or None, -1 is ignored;
+        # kv_cache: None, or one (2, B, nh, block_size, hs) buffer per layer (see generate)
+        B, T = idx.size()
+        if start_pos + T > self.config.block_size:
+            raise ValueError(f"sequence of length {start_pos + T} is longer than block_size={self.config.block_size}")
+        pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, None if kv_cache is None else kv_cache[i], start_pos)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)  # (B, T, vocab_size)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, device_type):
+        # decay the matrices (matmul weights, embeddings); not biases and LayerNorm gains (dim < 2)
+        params = [p for p in self.parameters() if p.requires_grad]  # parameters() lists tied ones once
+        optim_groups = [
+            {'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
+            {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0},
+        ]
+        use_fused = device_type == 'cuda' and 'fused' in inspect.signature(torch.optim.AdamW).parameters
+        return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=use_fused)
+
+    # -------------------------------------------------------------------------
+    # OpenAI / HF weights
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir):
+        """One of gpt2, gpt2-medium, gpt2-large, gpt2-xl (through HF transformers, downloaded when
+        online), or a local directory holding a HF GPT2LMHeadModel (save_pretrained output)."""
+        if name_or_dir in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
+            try:
+                from transformers import GPT2LMHeadModel
+            except ImportError as e:
+                raise ImportError(f"init from {name_or_dir!r} needs HF transformers: pip install transformers") from e
+            hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
+            return cls.from_hf_state_dict(hf.config.to_dict(), hf.state_dict(), name_or_dir)
+        if not os.path.isdir(name_or_dir):
+            raise FileNotFoundError(f"{name_or_dir!r} is neither an OpenAI GPT-2 name (gpt2, gpt2-medium, "
+                                    f"gpt2-large, gpt2-xl) nor a directory")
+        config_path = os.path.join(name_or_dir, 'config.json')
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"{config_path} not found: {name_or_dir} is not a HF GPT2LMHeadModel directory "
+                                    f"(save_pretrained writes config.json and model.safetensors)")
+        with open(config_path) as f:
+            hf_config = json.load(f)
+        return cls.from_hf_state_dict(hf_config, load_hf_weights(name_or_dir), name_or_dir)
+
+    @classmethod
+    def from_hf_state_dict(cls, hf_config, sd_hf, source):
+        """Build a GPT from a HF GPT-2 config dict and state dict; errors name `source` and the key."""
+        expected = {'model_type': ('gpt2',), 'activation_function': ('gelu_new', 'gelu_pytorch_tanh'),
+                    'scale_attn_weights': (True,), 'scale_attn_by_inverse_layer_idx': (False,),
+                    'add_cross_attention': (False,), 'tie_word_embeddings': (True,)}
+        for key, allowed in expected.items():
+            if hf_config.get(key, allowed[0]) not in allowed:
+                raise ValueError(f"{source}: config {key}={hf_config[key]!r}, this GPT-2 supports {allowed}")
+        try:
+            config = GPTConfig(block_size=hf_config['n_positions'], vocab_size=hf_config['vocab_size'],
+                               n_layer=hf_config['n_layer'], n_head=hf_config['n_head'], n_embd=hf_config['n_embd'])
+        except KeyError as e:
+            raise ValueError(f"{source}: config has no key {e.args[0]!r}") from None
+        model = cls(config)
+        sd = model.state_dict()
+        # HF keeps the causal mask as buffers; GPT2Model checkpoints (no LM head) lack the prefix
+        sd_hf = {k if k.startswith(('transformer.', 'lm_head.')) else 'transformer.' + k: v
+                 for k, v in sd_hf.items() if not k.endswith(('.attn.bias', '.attn.masked_bias'))}
+        unexpected = sorted(set(sd_hf) - set(sd))
+        if unexpected:
+            raise ValueError(f"{source}: unexpected key {unexpected[0]!r} ({len(unexpected)} in all) for a GPT-2")
+        # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
+        transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+        with torch.no_grad():
+            for k in sd:
+                if k == 'lm_head.weight' and k not in sd_hf:
+                    continue  # tied to transformer.wte.weight
+                if k not in sd_hf:
+                    raise ValueError(f"{source}: missing key {k!r}")
+                w = sd_hf[k].t() if k.endswith(transposed) else sd_hf[k]
+                if w.shape != sd[k].shape:
+                    raise ValueError(f"{source}: key {k!r} has shape {tuple(sd_hf[k].shape)}, "
+                                     f"expected {tuple(sd[k].shape)} for {config}")
+                sd[k].copy_(w)
+            if 'lm_head.weight' in sd_hf and not torch.equal(sd_hf['lm_head.weight'], sd_hf['transformer.wte.weight']):
+                raise ValueError(f"{source}: lm_head.weight differs from transformer.wte.weight; GPT-2 ties them")
+        return model
+
+    # -------------------------------------------------------------------------
+    # generation
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Append max_new_tokens sampled tokens to idx (B, T) and return it. Keys and values are
+        cached, so each new token costs one position's forward. Once the sequence outgrows
+        block_size the positions of all tokens shift, and the window is recomputed each step."""
+        B = idx.size(0)
+        bs, nh, hs = self.config.block_size, self.config.n_head, self.config.n_embd // self.config.n_head
+        device = self.lm_head.weight.device
+        dtype = self.lm_head.weight.dtype  # k and v arrive in autocast's dtype when it is on
+        if torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+        kv_cache = [torch.empty(2, B, nh, bs, hs, device=device, dtype=dtype) for _ in self.transformer.h]
+        n_cached = 0  # positions of idx[:, -bs:] already in the cache
+        for _ in range(max_new_tokens):
+            if idx.size(1) > bs:  # the window slid: cached positions are stale
+                n_cached = 0
+            window = idx[:, -bs:]
+            logits, _ = self(window[:, n_cached:], kv_cache=kv_cache, start_pos=n_cached)
+            n_cached = window.size(1)
+            logits = logits[:, -1, :].float() / temperature  # (B, vocab_size)
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float('inf')
+            probs = F.softmax(logits, dim=-1)
+            idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+
+def load_hf_weights(model_dir):
+    """State dict of a HF model directory: model.safetensors, pytorch_model.bin or their sharded
+    forms (an *.index.json naming the shards). Never unpickles code."""
+    def load(path):
+        if path.endswith('.safetensors'):
+            from safetensors.torch import load_file
+            return load_file(path)
+        return torch.load(path, map_location='cpu', weights_only=True)
+    for name in ('model.safetensors', 'pytorch_model.bin'):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            return load(path)
+        if os.path.isfile(path + '.index.json'):
+            with open(path + '.index.json') as f:
+                shards = sorted(set(json.load(f)['weight_map'].values()))
+            sd = {}
+            for shard in shards:
+                sd.update(load(os.path.join(model_dir, shard)))
+            return sd
+    raise FileNotFoundError(f"{model_dir}: no model.safetensors or pytorch_model.bin (or their .index.json) found")
+
+
+def flops_per_token(config, T):
+    """Model FLOPs to train on one token (forward + backward) at sequence length T: 6 per
+    parameter that multiplies (the position table only adds), plus attention's QK^T and AV."""
+    n = config.n_layer * 12 * config.n_embd ** 2 + config.vocab_size * config.n_embd
+    attn = config.n_layer * 2 * 2 * T * config.n_embd  # QK^T and AV, each 2 * T * n_embd per token
+    return 6 * n + 3 * attn

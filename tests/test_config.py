@@ -1,0 +1,76 @@
+import math
+
+import pytest
+
+import train_gpt2
+from conftest import run_script
+from train_gpt2 import UserError, get_lr, parse_config
+
+DEFAULTS = {k: getattr(train_gpt2, k) for k in train_gpt2.CONFIG_KEYS}
+
+
+def test_defaults_are_build_nanogpts_run():
+    d = DEFAULTS
+    assert (d["n_layer"], d["n_head"], d["n_embd"], d["block_size"], d["vocab_size"]) == (12, 12, 768, 1024, 50304)
+    assert (d["total_batch_size"], d["B"], d["T"], d["max_steps"], d["warmup_steps"]) == (524288, 64, 1024, 19073, 715)
+    assert (d["max_lr"], d["min_lr"], d["weight_decay"], d["grad_clip"], d["seed"]) == (6e-4, 6e-5, 0.1, 1.0, 1337)
+    assert (d["init_from"], d["device"], d["dtype"], d["eval_interval"]) == ("scratch", "auto", "bfloat16", 250)
+
+
+def test_overrides_parse_as_literals_and_keep_types(tmp_path):
+    cfg_file = tmp_path / "small.py"
+    cfg_file.write_text("import math\nn_layer = 4\nmax_lr = 1e-3\n_private = 3\n")
+    c = parse_config([str(cfg_file), "--n_layer=6", "--max_lr=1", "--compile=False", "--init_from=gpt2",
+                      "--data_root=123", "--dtype='float32'"], DEFAULTS)
+    assert c["n_layer"] == 6 and c["max_lr"] == 1.0 and isinstance(c["max_lr"], float)
+    assert c["compile"] is False and c["init_from"] == "gpt2" and c["data_root"] == "123"
+    assert c["dtype"] == "float32"
+    assert parse_config([str(cfg_file)], DEFAULTS)["max_lr"] == 1e-3
+    assert DEFAULTS["n_layer"] == 12  # the defaults are not touched
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max_step=5"], r"unknown config key 'max_step' in --max_step=5; closest valid names: max_steps"),
+    (["--n_layer=2.5"], r"config key 'n_layer' in --n_layer=2.5 must be int like its default 12, got float 2.5"),
+    (["--compile=1"], r"config key 'compile' in --compile=1 must be bool"),
+    (["--n_layer"], r"expected --key=value, got '--n_layer'"),
+    (["config/missing.py"], r"config file 'config/missing.py' not found"),
+])
+def test_bad_overrides(argv, message):
+    with pytest.raises(UserError, match=message):
+        parse_config(argv, DEFAULTS)
+
+
+def test_bad_key_in_config_file(tmp_path):
+    cfg_file = tmp_path / "bad.py"
+    cfg_file.write_text("learning_rate = 1e-3\n")
+    with pytest.raises(UserError, match=r"unknown config key 'learning_rate' in .*bad.py; closest valid names: .*min_lr"):
+        parse_config([str(cfg_file)], DEFAULTS)
+
+
+def test_cli_errors_exit_nonzero_with_one_line():
+    r = run_script(["--max_stesp=10"])
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "max_stesp" in lines[0] and "max_steps" in lines[0], r.stderr
+    r = run_script(["--device=cpu", "--data_root=/nonexistent/shards"])
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: data folder '/nonexistent/shards' not found: run `python fineweb.py` to make the token shards, "
+        "or point data_root at them")
+
+
+def test_total_batch_size_must_divide():
+    r = run_script(["--device=cpu", "--B=4", "--T=64", "--total_batch_size=1000"])
+    assert r.returncode == 1
+    assert "total_batch_size=1000 is not a multiple of B*T*world_size = 4*64*1 = 256; try 768 or 1024" in r.stderr
+
+
+def test_lr_schedule():
+    kw = dict(max_lr=6e-4, min_lr=6e-5, warmup_steps=10, max_steps=110)
+    assert get_lr(0, **kw) == pytest.approx(6e-5)  # (0 + 1) / 10 of max_lr
+    assert get_lr(9, **kw) == pytest.approx(6e-4)
+    assert get_lr(10, **kw) == pytest.approx(6e-4)
+    assert get_lr(60, **kw) == pytest.approx(6e-5 + 0.5 * (6e-4 - 6e-5))
+    assert get_lr(109, **kw) == pytest.approx(6e-5 + 0.5 * (1 + math.cos(math.pi * 0.99)) * 5.4e-4)
+    assert get_lr(110, **kw) == get_lr(500, **kw) == 6e-5

@@ -1,0 +1,88 @@
+import numpy as np
+import pytest
+import torch
+
+from conftest import write_shards
+from train_gpt2 import DataLoaderLite, UserError, load_val_tokens
+
+B, T = 2, 4  # chunks of 8 tokens
+
+
+def expected_runs(lengths, step_tokens, n_steps):
+    """Brute force: each step reads the next run of step_tokens + 1 tokens that fits in a shard,
+    shards in order and wrapping around; returns (shard, start) per step."""
+    runs = [(s, p) for s, n in enumerate(lengths) for p in range(0, n - step_tokens, step_tokens)]
+    return [runs[i % len(runs)] for i in range(n_steps)]
+
+
+def make_shards(tmp_path, lengths):
+    """Shard s holds s * 10000 + position, so every token tells where it came from."""
+    write_shards(tmp_path, "train", [s * 10000 + np.arange(n) for s, n in enumerate(lengths)])
+
+
+# lengths that make build-nanogpt's ranks drift: rank 0 still fits a batch where rank 1 does not
+@pytest.mark.parametrize("world,accum,lengths", [
+    (2, 1, [5 * 16 + 8 + 1, 3 * 16 + 9, 40]),
+    (2, 2, [3 * 32 + 16 + 1, 2 * 32 + 1, 70]),
+    (3, 2, [2 * 48 + 24 + 5, 49, 100]),
+])
+def test_ranks_disjoint_cover_and_lockstep(tmp_path, world, accum, lengths):
+    make_shards(tmp_path, lengths)
+    loaders = [DataLoaderLite(B, T, r, world, "train", str(tmp_path), accum_steps=accum) for r in range(world)]
+    step_tokens = B * T * world * accum
+    for shard, start in expected_runs(lengths, step_tokens, 12):
+        run = shard * 10000 + np.arange(start, start + step_tokens + 1)
+        got = []
+        for m in range(accum):
+            for r, loader in enumerate(loaders):
+                x, y = loader.next_batch()
+                assert x.dtype == torch.int64 and x.shape == (B, T)
+                assert np.array_equal(y.flatten().numpy()[:-1], x.flatten().numpy()[1:])
+                got.append((m * world + r, x.flatten().numpy(), y[-1, -1].item()))
+        # chunk m*world + r of the run went to rank r at micro-step m: disjoint, covering the run
+        for k, xs, last_target in sorted(got, key=lambda g: g[0]):
+            assert np.array_equal(xs, run[k * B * T:(k + 1) * B * T])
+            assert last_target == run[(k + 1) * B * T]
+        assert len({loader.shard for loader in loaders}) == 1  # every rank on the same shard
+
+
+def test_stream_does_not_depend_on_world_size(tmp_path):
+    lengths = [101, 77, 130]
+    make_shards(tmp_path, lengths)
+    one = DataLoaderLite(B, T, 0, 1, "train", str(tmp_path), accum_steps=4)
+    two = [DataLoaderLite(B, T, r, 2, "train", str(tmp_path), accum_steps=2) for r in range(2)]
+    for _ in range(10):
+        a = [one.next_batch()[0] for _ in range(4)]
+        b = [two[r].next_batch()[0] for _ in range(2) for r in range(2)]  # chunk m * 2 + r
+        assert all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a, b))
+
+
+def test_shards_are_memory_mapped(tmp_path):
+    make_shards(tmp_path, [100])
+    loader = DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
+    assert isinstance(loader.tokens, np.memmap)
+
+
+def test_error_paths(tmp_path):
+    with pytest.raises(UserError, match=r"data folder '.*nope' not found: run `python fineweb.py`"):
+        DataLoaderLite(B, T, 0, 1, "train", str(tmp_path / "nope"))
+    write_shards(tmp_path, "val", [np.arange(50)])
+    with pytest.raises(UserError, match=r"no train shard \(\*_train_\*\.npy\) in .*run `python fineweb.py`"):
+        DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
+    np.save(tmp_path / "x_train_000000.npy", np.arange(100, dtype=np.int32))
+    with pytest.raises(UserError, match=r"x_train_000000\.npy: expected a 1-D uint16 array of token ids, got int32"):
+        DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
+    np.save(tmp_path / "x_train_000000.npy", np.arange(100, dtype=np.uint16))
+    write_shards(tmp_path, "train", [np.arange(16)], prefix="y")  # sorts after x_: the short one
+    with pytest.raises(UserError, match=r"y_train_000000\.npy: 16 tokens, shorter than one batch .* = 17 tokens"):
+        DataLoaderLite(B, T, 0, 2, "train", str(tmp_path))
+    (tmp_path / "z_train_000000.npy").write_bytes(b"not numpy")
+    with pytest.raises(UserError, match=r"z_train_000000\.npy: not a readable \.npy array"):
+        DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
+
+
+def test_val_tokens_span_shards_and_errors(tmp_path):
+    write_shards(tmp_path, "val", [np.arange(10), np.arange(100, 110)])
+    assert load_val_tokens(str(tmp_path), 14).tolist() == list(range(10)) + list(range(100, 105))
+    with pytest.raises(UserError, match=r"val split in .* has 20 tokens, fewer than val_tokens \+ 1 = 21"):
+        load_val_tokens(str(tmp_path), 20)

@@ -1,0 +1,148 @@
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import GPT, GPTConfig, flops_per_token
+
+HF_SHAPE = dict(n_layer=2, n_head=4, n_embd=64, n_positions=48, vocab_size=300)
+
+
+def make_hf(tmp_path, seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    hf = GPT2LMHeadModel(GPT2Config(**HF_SHAPE, bos_token_id=0, eos_token_id=0)).eval()
+    with torch.no_grad():  # HF inits biases and LayerNorms to 0/1: make every parameter matter
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+def test_logits_and_loss_match_hf(tmp_path):
+    hf = make_hf(tmp_path)
+    model = GPT.from_pretrained(str(tmp_path)).eval()
+    assert model.config == GPTConfig(block_size=48, vocab_size=300, n_layer=2, n_head=4, n_embd=64)
+    idx = torch.randint(0, 300, (3, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(idx, labels=idx)
+        logits, loss = model(idx[:, :-1], idx[:, 1:])
+    assert (logits - ref.logits[:, :-1]).abs().max().item() < 1e-4
+    assert abs(loss.item() - ref.loss.item()) < 1e-5
+
+
+def test_pytorch_model_bin_and_gpt2model_keys(tmp_path):
+    """An older save (pytorch_model.bin, keys without 'transformer.', with attn.bias buffers)."""
+    hf = make_hf(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    os.remove(tmp_path / "model.safetensors")
+    sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    sd["h.0.attn.bias"] = torch.ones(1, 1, 48, 48).tril()
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    model = GPT.from_pretrained(str(tmp_path)).eval()
+    idx = torch.randint(0, 300, (2, 20))
+    with torch.no_grad():
+        assert (model(idx)[0] - hf(idx).logits).abs().max().item() < 1e-4
+
+
+def test_from_pretrained_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither an OpenAI GPT-2 name"):
+        GPT.from_pretrained(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        GPT.from_pretrained(str(tmp_path))
+    make_hf(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    # the weights are 2 layers; a config of 3 misses layer 2
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, n_layer=3)))
+    with pytest.raises(ValueError, match=r"missing key 'transformer\.h\.2\.ln_1\.weight'"):
+        GPT.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, vocab_size=256)))
+    with pytest.raises(ValueError, match=r"'transformer\.wte\.weight' has shape \(300, 64\), expected \(256, 64\)"):
+        GPT.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, activation_function="relu")))
+    with pytest.raises(ValueError, match="activation_function='relu'"):
+        GPT.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["transformer.h.0.attn.extra.weight"] = torch.zeros(2)
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"unexpected key 'transformer\.h\.0\.attn\.extra\.weight'"):
+        GPT.from_pretrained(str(tmp_path))
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        GPT.from_pretrained(str(tmp_path))
+
+
+def test_too_long_sequence_is_an_error():
+    model = GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=1, n_embd=8))
+    model(torch.zeros(1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="length 9 is longer than block_size=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_init_and_tied_weights():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=1000, n_layer=8, n_head=4, n_embd=256))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    h = model.transformer.h[3]
+    assert abs(h.attn.c_attn.weight.std().item() - 0.02) < 1e-3
+    assert abs(h.mlp.c_fc.weight.std().item() - 0.02) < 1e-3
+    for proj in (h.attn.c_proj, h.mlp.c_proj):  # residual projections: 0.02 / sqrt(2 * n_layer)
+        assert abs(proj.weight.std().item() - 0.02 / math.sqrt(16)) < 2e-4
+    assert abs(model.transformer.wpe.weight.std().item() - 0.02) < 1e-3
+    assert h.attn.c_attn.bias.abs().max().item() == 0
+    assert torch.equal(h.ln_1.weight, torch.ones(256))
+
+
+def test_configure_optimizers():
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=16))
+    opt = model.configure_optimizers(weight_decay=0.1, learning_rate=3e-4, device_type="cpu")
+    assert isinstance(opt, torch.optim.AdamW)
+    decay, no_decay = opt.param_groups
+    named = dict(model.named_parameters())  # tied lm_head appears once
+    assert {id(p) for p in decay["params"]} == {id(p) for n, p in named.items() if p.dim() >= 2}
+    assert {id(p) for p in no_decay["params"]} == {id(p) for n, p in named.items() if p.dim() < 2}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert decay["betas"] == (0.9, 0.95) and decay["eps"] == 1e-8 and decay["lr"] == 3e-4
+    assert not decay["fused"]
+
+
+def greedy_by_recompute(model, idx, n):
+    for _ in range(n):
+        logits, _ = model(idx[:, -model.config.block_size:])
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
+@pytest.mark.parametrize("new_tokens", [10, 30])  # 30 runs past block_size=24: the window slides
+def test_kv_cache_generation_equals_recompute(new_tokens):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=24, vocab_size=97, n_layer=3, n_head=4, n_embd=32)).eval()
+    with torch.no_grad():  # larger weights so that the greedy path is not one repeated token
+        for p in model.parameters():
+            p.mul_(20)
+    idx = torch.randint(0, 97, (3, 5))
+    out = model.generate(idx, new_tokens, top_k=1)
+    ref = greedy_by_recompute(model, idx, new_tokens)
+    assert out.shape == (3, 5 + new_tokens)
+    assert torch.equal(out, ref)
+    assert len(set(out[0, 5:].tolist())) > 3  # a test that varied tokens can pass
+
+
+def test_sampling_is_seeded():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).eval()
+    idx = torch.zeros(2, 1, dtype=torch.long)
+    a = model.generate(idx, 10, top_k=5, generator=torch.Generator().manual_seed(7))
+    b = model.generate(idx, 10, top_k=5, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+
+
+def test_flops_per_token_counts_matmuls():
+    c = GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768)
+    model = GPT(c)
+    n_matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n)
+    assert flops_per_token(c, 1024) == 6 * n_matmul + 12 * 12 * 768 * 1024

