@@ -146,3 +146,22 @@ def test_flops_per_token_counts_matmuls():
     model = GPT(c)
     n_matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n)
     assert flops_per_token(c, 1024) == 6 * n_matmul + 12 * 12 * 768 * 1024
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])  # bf16: 2 ulps
+def test_cross_entropy_matches_torch(dtype, rtol):
+    """The training loss (gradient computed in the forward) against F.cross_entropy in float32."""
+    import torch.nn.functional as F
+    from model import cross_entropy
+    logits = (torch.randn(64, 1000) * 3).to(dtype)
+    targets = torch.randint(0, 1000, (64,))
+    a = logits.clone().requires_grad_()
+    loss = cross_entropy(a, targets)
+    (2.5 * loss).backward()
+    b = logits.clone().requires_grad_()
+    ref = F.cross_entropy(b.float(), targets)
+    (2.5 * ref).backward()
+    assert loss.dtype == torch.float32 and abs(loss.item() - ref.item()) < 1e-5
+    assert a.grad.dtype == dtype
+    torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=rtol, atol=1e-9)
+    assert b.grad.abs().max().item() > 1e-2  # the gradient is not trivially small

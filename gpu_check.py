@@ -1,0 +1,63 @@
+"""
+GPU check: the real launch path on one GPU, measured.
+
+    python gpu_check.py [--key=value ...]
+
+Runs `torchrun --standalone --nproc_per_node=1 train_gpt2.py` (NCCL on CUDA) with the default
+124M config, bf16 and compile=True, for 30 steps on random-token shards written to a temporary
+folder, then prints the trainer's tok/s (median of the steps after compilation) and the model
+FLOPs utilisation against this GPU's bf16 matmul rate, measured in the same run. Extra
+--key=value arguments go to the trainer too (e.g. --B=32 on a smaller GPU).
+"""
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+import train_gpt2
+from bench import matmul_flops
+from model import GPTConfig, flops_per_token
+
+
+def main():
+    overrides = ["--max_steps=30", "--eval_interval=0", "--sample_interval=0", "--checkpoint_interval=0",
+                 "--dtype=bfloat16", "--compile=True", *sys.argv[1:]]
+    defaults = {k: getattr(train_gpt2, k) for k in train_gpt2.CONFIG_KEYS}
+    c = train_gpt2.parse_config(overrides, defaults)
+    with tempfile.TemporaryDirectory() as tmp:
+        rng = np.random.default_rng(0)
+        step_tokens = c['total_batch_size']
+        for name in ("synthetic_val_000000", "synthetic_train_000001", "synthetic_train_000002"):
+            np.save(os.path.join(tmp, name + ".npy"), rng.integers(0, 50257, 2 * step_tokens + 1, dtype=np.uint16))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_gpt2.py",
+               f"--data_root={tmp}", f"--log_dir={os.path.join(tmp, 'log')}", *overrides]
+        print("running:", " ".join(cmd), flush=True)
+        out = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+    print(out.stdout[-3000:], out.stderr[-3000:], sep="\n")
+    if out.returncode != 0:
+        sys.exit(f"trainer failed with exit code {out.returncode}")
+    rates = [float(r) for r in re.findall(r"tok/sec (\d+\.\d+)", out.stdout)]
+    steady = rates[len(rates) // 3:]  # the first steps compile
+    tok_per_s = statistics.median(steady)
+    device = 'cuda' if torch.cuda.is_available() and c['device'] in ('auto', 'cuda') else c['device']
+    if device == 'auto':
+        device = 'cpu'
+    peak = matmul_flops(device, c['dtype'])
+    config = GPTConfig(block_size=c['block_size'], vocab_size=c['vocab_size'], n_layer=c['n_layer'],
+                       n_head=c['n_head'], n_embd=c['n_embd'])
+    fpt = flops_per_token(config, c['T'])
+    name = torch.cuda.get_device_name() if device.startswith('cuda') else device
+    print(f"device: {name}")
+    print(f"tok/s (median of steps {len(rates) - len(steady)}..{len(rates) - 1}): {tok_per_s:,.0f}")
+    print(f"model FLOPs/token: {fpt / 1e6:.1f} MFLOP; achieved {tok_per_s * fpt / 1e12:.1f} TFLOP/s")
+    print(f"{c['dtype']} matmul, measured now: {peak / 1e12:.1f} TFLOP/s")
+    print(f"MFU: {tok_per_s * fpt / peak:.3f}")
+
+
+if __name__ == "__main__":
+    main()
