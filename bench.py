@@ -97,7 +97,7 @@ def bench_loader(c):
 
 
 def main():
-    defaults = {k: getattr(train_gpt2, k) for k in train_gpt2.CONFIG_KEYS}
+    defaults = dict(train_gpt2.DEFAULTS)
     defaults.update(bench_steps=5, bench_warmup=2, bench_loader_tokens=0)
     try:
         c = train_gpt2.parse_config(sys.argv[1:], defaults)

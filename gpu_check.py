@@ -27,7 +27,7 @@ from model import GPTConfig, flops_per_token
 def main():
     overrides = ["--max_steps=30", "--eval_interval=0", "--sample_interval=0", "--checkpoint_interval=0",
                  "--dtype=bfloat16", "--compile=True", *sys.argv[1:]]
-    defaults = {k: getattr(train_gpt2, k) for k in train_gpt2.CONFIG_KEYS}
+    defaults = dict(train_gpt2.DEFAULTS)
     c = train_gpt2.parse_config(overrides, defaults)
     with tempfile.TemporaryDirectory() as tmp:
         rng = np.random.default_rng(0)

@@ -74,7 +74,7 @@ class CausalSelfAttention(nn.Module):
         else:
             # the T new queries sit at positions start_pos.. and see every cached key before them
             mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=x.device).tril(start_pos)
-        if kv_cache is not None:  # (2, B, nh, block_size, hs), filled up to start_pos
+        if kv_cache is not None:  # (2, B, nh, >= start_pos + T, hs), filled up to start_pos
             kv_cache[0, :, :, start_pos:start_pos + T] = k
             kv_cache[1, :, :, start_pos:start_pos + T] = v
             k, v = kv_cache[0, :, :, :start_pos + T], kv_cache[1, :, :, :start_pos + T]
@@ -139,7 +139,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None, start_pos=0):
         # idx: (B, T) token ids; targets: (B, T) or None;
-        # kv_cache: None, or one (2, B, nh, block_size, hs) buffer per layer (see generate)
+        # kv_cache: None, or per layer a (2, B, nh, L, hs) buffer, L >= start_pos + T (see generate)
         B, T = idx.size()
         if start_pos + T > self.config.block_size:
             raise ValueError(f"sequence of length {start_pos + T} is longer than block_size={self.config.block_size}")
@@ -185,8 +185,11 @@ class GPT(nn.Module):
         if not os.path.isfile(config_path):
             raise FileNotFoundError(f"{config_path} not found: {name_or_dir} is not a HF GPT2LMHeadModel directory "
                                     f"(save_pretrained writes config.json and model.safetensors)")
-        with open(config_path) as f:
-            hf_config = json.load(f)
+        try:
+            with open(config_path) as f:
+                hf_config = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{config_path}: not valid JSON ({e})") from None
         return cls.from_hf_state_dict(hf_config, load_hf_weights(name_or_dir), name_or_dir)
 
     @classmethod
@@ -194,7 +197,8 @@ class GPT(nn.Module):
         """Build a GPT from a HF GPT-2 config dict and state dict; errors name `source` and the key."""
         expected = {'model_type': ('gpt2',), 'activation_function': ('gelu_new', 'gelu_pytorch_tanh'),
                     'scale_attn_weights': (True,), 'scale_attn_by_inverse_layer_idx': (False,),
-                    'add_cross_attention': (False,), 'tie_word_embeddings': (True,)}
+                    'add_cross_attention': (False,), 'tie_word_embeddings': (True,), 'layer_norm_epsilon': (1e-5,)}
+        expected['n_inner'] = (None, 4 * hf_config.get('n_embd', 0))  # the MLP's width
         for key, allowed in expected.items():
             if hf_config.get(key, allowed[0]) not in allowed:
                 raise ValueError(f"{source}: config {key}={hf_config[key]!r}, this GPT-2 supports {allowed}")
@@ -221,7 +225,8 @@ class GPT(nn.Module):
                     raise ValueError(f"{source}: missing key {k!r}")
                 w = sd_hf[k].t() if k.endswith(transposed) else sd_hf[k]
                 if w.shape != sd[k].shape:
-                    raise ValueError(f"{source}: key {k!r} has shape {tuple(sd_hf[k].shape)}, "
+                    raise ValueError(f"{source}: key {k!r} has shape {tuple(w.shape)}"
+                                     f"{' (transposed from Conv1D)' if k.endswith(transposed) else ''}, "
                                      f"expected {tuple(sd[k].shape)} for {config}")
                 sd[k].copy_(w)
             if 'lm_head.weight' in sd_hf and not torch.equal(sd_hf['lm_head.weight'], sd_hf['transformer.wte.weight']):
@@ -242,7 +247,8 @@ class GPT(nn.Module):
         dtype = self.lm_head.weight.dtype  # k and v arrive in autocast's dtype when it is on
         if torch.is_autocast_enabled(device.type):
             dtype = torch.get_autocast_dtype(device.type)
-        kv_cache = [torch.empty(2, B, nh, bs, hs, device=device, dtype=dtype) for _ in self.transformer.h]
+        n = min(bs, idx.size(1) + max_new_tokens)  # the longest window this call will see
+        kv_cache = [torch.empty(2, B, nh, n, hs, device=device, dtype=dtype) for _ in self.transformer.h]
         n_cached = 0  # positions of idx[:, -bs:] already in the cache
         for _ in range(max_new_tokens):
             if idx.size(1) > bs:  # the window slid: cached positions are stale

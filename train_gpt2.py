@@ -5,8 +5,9 @@ Train GPT-2 on FineWeb-Edu token shards, on one CPU/GPU or many GPUs.
     torchrun --standalone --nproc_per_node=8 train_gpt2.py # one node, 8 GPUs (DDP over NCCL)
     python train_gpt2.py config/NAME.py --max_steps=100 --dtype=float32
 
-Edit the constants below, or override them: first any config files (Python files that assign
-some of these names), then --key=value (parsed as Python literals; the type must stay the default's).
+Edit the constants below, or override them with config files (Python files that assign some of
+these names) and --key=value arguments (Python literals; the type must stay the default's),
+applied in the order given.
 """
 import ast
 import builtins
@@ -61,7 +62,7 @@ dtype = "bfloat16"  # bfloat16 (autocast; parameters and optimizer stay float32)
 compile = True  # torch.compile the model (slow to start, faster to run)
 seed = 1337
 # -----------------------------------------------------------------------------
-CONFIG_KEYS = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
+DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 
 
 class UserError(Exception):
@@ -99,13 +100,36 @@ def parse_config(argv, defaults):
         else:
             if not os.path.isfile(arg):
                 raise UserError(f"config file {arg!r} not found (expected a Python file of constants, e.g. config/NAME.py)")
-            namespace = {}
-            with open(arg) as f:
-                exec(builtins.compile(f.read(), arg, 'exec'), namespace)  # `compile` is a constant here
+            namespace = dict(config)  # a file may use the constants: max_steps = 2 * warmup_steps
+            try:
+                with open(arg) as f:
+                    exec(builtins.compile(f.read(), arg, 'exec'), namespace)  # `compile` is a constant here
+            except Exception as e:
+                raise UserError(f"config file {arg!r} failed: {type(e).__name__}: {e}") from None
             for key, value in namespace.items():
-                if not key.startswith('_') and not callable(value) and not type(value).__name__ == 'module':
+                if key.startswith('_') or callable(value) or type(value).__name__ == 'module':
+                    continue
+                if key not in config or value is not config[key]:
                     set_key(key, value, arg)
+    check_config(config)
     return config
+
+
+def check_config(c):
+    for key in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size', 'total_batch_size', 'B', 'T'):
+        if c[key] <= 0:
+            raise UserError(f"config key {key!r} must be positive, got {c[key]}")
+    for key in ('max_steps', 'warmup_steps', 'eval_interval', 'val_tokens', 'sample_interval', 'sample_length',
+                'checkpoint_interval'):
+        if c[key] < 0:
+            raise UserError(f"config key {key!r} must be >= 0, got {c[key]}")
+    if c['dtype'] not in ('bfloat16', 'float32'):
+        raise UserError(f"config key 'dtype' must be 'bfloat16' or 'float32', got {c['dtype']!r}")
+    if c['device'] != 'auto':
+        try:
+            torch.device(c['device'])
+        except RuntimeError:
+            raise UserError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {c['device']!r}") from None
 
 
 def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
@@ -259,6 +283,11 @@ def save_checkpoint(path, checkpoint):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a crash
+        finally:
+            os.close(dir_fd)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -272,8 +301,8 @@ def setup_device(device):
         rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
     if device == 'auto':
         device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
-    if ddp and device == 'cuda':
-        device = f'cuda:{local_rank}'
+    if ddp and device.startswith('cuda'):
+        device = f'cuda:{local_rank}'  # one GPU per process, whatever index was asked for
     if device.startswith('cuda'):
         torch.cuda.set_device(device)
     if ddp:
@@ -284,13 +313,15 @@ def setup_device(device):
 
 def main(argv=None):
     master = int(os.environ.get('RANK', 0)) == 0
+    argv = sys.argv[1:] if argv is None else argv
+    if '-h' in argv or '--help' in argv:
+        print(__doc__ + "\nconstants and their defaults:\n" + "\n".join(f"  --{k}={v!r}" for k, v in DEFAULTS.items()))
+        return
     try:
-        config = parse_config(sys.argv[1:] if argv is None else argv, {k: globals()[k] for k in CONFIG_KEYS})
+        config = parse_config(argv, DEFAULTS)
     except UserError as e:
         sys.exit(f"error: {e}" if master else 1)
     globals().update(config)  # the rest reads the constants, as overridden
-    if dtype not in ('bfloat16', 'float32'):
-        sys.exit(f"error: dtype must be 'bfloat16' or 'float32', got {dtype!r}" if master else 1)
     ddp, rank, local_rank, world, dev = setup_device(device)
     ok = False
     try:
@@ -302,9 +333,11 @@ def main(argv=None):
         sys.exit(1)
     finally:
         if ddp:
-            if ok:
-                dist.barrier()  # no rank tears down while rank 0 still writes its last checkpoint
-            dist.destroy_process_group()
+            try:
+                if ok:
+                    dist.barrier()  # no rank tears down while rank 0 still writes its last checkpoint
+            finally:
+                dist.destroy_process_group()
 
 
 def run(config, rank, world, device):
@@ -317,9 +350,9 @@ def run(config, rank, world, device):
     tokens_per_micro = B * T * world
     if total_batch_size % tokens_per_micro:
         lo = total_batch_size // tokens_per_micro * tokens_per_micro
+        valid = f"{lo} or {lo + tokens_per_micro}" if lo else f"{tokens_per_micro}"
         raise UserError(f"total_batch_size={total_batch_size} is not a multiple of B*T*world_size = "
-                        f"{B}*{T}*{world} = {tokens_per_micro}; try {max(lo, tokens_per_micro)} or "
-                        f"{lo + tokens_per_micro}, or change B")
+                        f"{B}*{T}*{world} = {tokens_per_micro}; try {valid}, or change B")
     grad_accum_steps = total_batch_size // tokens_per_micro
     if eval_interval > 0 and val_tokens < T:
         raise UserError(f"val_tokens={val_tokens} is less than one sequence of T={T} tokens")
@@ -327,10 +360,17 @@ def run(config, rank, world, device):
         print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
         print(f"world_size={world} device={device} grad_accum_steps={grad_accum_steps}")
 
+    # the data first: a missing folder is reported before a model is built or downloaded
+    train_loader = DataLoaderLite(B, T, rank, world, 'train', data_root, accum_steps=grad_accum_steps)
+    val_data = load_val_tokens(data_root, val_tokens // T * T) if eval_interval > 0 else None
+
     if init_from == 'scratch':
         model = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd))
     else:
-        model = GPT.from_pretrained(init_from)
+        try:
+            model = GPT.from_pretrained(init_from)
+        except (ValueError, OSError) as e:  # not a GPT-2, a missing folder, no download
+            raise UserError(f"init_from={init_from!r}: {e}") from None
         if master:
             print(f"init_from={init_from}: model shape from the weights: {model.config}")
     if T > model.config.block_size:
@@ -346,9 +386,6 @@ def run(config, rank, world, device):
         model = DDP(model, device_ids=[torch.device(device).index] if device_type == 'cuda' else None)
     optimizer = raw_model.configure_optimizers(weight_decay, max_lr, device_type)
 
-    train_loader = DataLoaderLite(B, T, rank, world, 'train', data_root, accum_steps=grad_accum_steps)
-    val_data = load_val_tokens(data_root, val_tokens // T * T) if eval_interval > 0 else None
-
     log_file = os.path.join(log_dir, 'log.txt')
     if master:
         os.makedirs(log_dir, exist_ok=True)
@@ -360,20 +397,21 @@ def run(config, rank, world, device):
 
     # step = number of optimizer updates done: eval, sample and checkpoint the model as it is
     # after `step` updates, then (unless it is the last) take the update step -> step + 1
-    val_loss = None
     for step in range(max_steps + 1):
         last_step = step == max_steps
-        if eval_interval > 0 and (step % eval_interval == 0 or last_step):
+        checkpoint = last_step or (checkpoint_interval > 0 and step > 0 and step % checkpoint_interval == 0)
+        val_loss = None
+        if eval_interval > 0 and (step % eval_interval == 0 or last_step or checkpoint):  # a checkpoint has its own
             val_loss = evaluate(eval_model, val_data, B, T, rank, world, device, dtype)
             if master:
                 print(f"step {step:5d} | val loss {val_loss:.4f}")
                 log(f"{step} val {val_loss:.4f}")
         if master and sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step):
             sample(raw_model, step, device)
-        if master and (last_step or (checkpoint_interval > 0 and step > 0 and step % checkpoint_interval == 0)):
+        if master and checkpoint:  # 'config' is the model's, as build-nanogpt's checkpoints
             save_checkpoint(os.path.join(log_dir, f"model_{step:05d}.pt"), {
-                'model': raw_model.state_dict(), 'model_config': asdict(raw_model.config),
-                'config': config, 'step': step, 'val_loss': val_loss})
+                'model': raw_model.state_dict(), 'config': asdict(raw_model.config),
+                'train_config': config, 'step': step, 'val_loss': val_loss})
         if last_step:
             break
 

@@ -6,7 +6,7 @@ import train_gpt2
 from conftest import run_script
 from train_gpt2 import UserError, get_lr, parse_config
 
-DEFAULTS = {k: getattr(train_gpt2, k) for k in train_gpt2.CONFIG_KEYS}
+DEFAULTS = dict(train_gpt2.DEFAULTS)
 
 
 def test_defaults_are_build_nanogpts_run():
@@ -41,6 +41,32 @@ def test_bad_overrides(argv, message):
         parse_config(argv, DEFAULTS)
 
 
+def test_config_file_sees_the_constants(tmp_path):
+    cfg_file = tmp_path / "derived.py"
+    cfg_file.write_text("warmup_steps = 100\nmax_steps = 10 * warmup_steps\nB = B // 2\n")
+    c = parse_config([str(cfg_file)], DEFAULTS)
+    assert (c["warmup_steps"], c["max_steps"], c["B"]) == (100, 1000, 32)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--B=0"], r"config key 'B' must be positive, got 0"),
+    (["--T=-4"], r"config key 'T' must be positive, got -4"),
+    (["--max_steps=-1"], r"config key 'max_steps' must be >= 0, got -1"),
+    (["--dtype=float16"], r"config key 'dtype' must be 'bfloat16' or 'float32', got 'float16'"),
+    (["--device=gpu"], r"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got 'gpu'"),
+])
+def test_bad_values(argv, message):
+    with pytest.raises(UserError, match=message):
+        parse_config(argv, DEFAULTS)
+
+
+def test_broken_config_file(tmp_path):
+    cfg_file = tmp_path / "broken.py"
+    cfg_file.write_text("n_layer = = 3\n")
+    with pytest.raises(UserError, match=r"config file '.*broken.py' failed: SyntaxError"):
+        parse_config([str(cfg_file)], DEFAULTS)
+
+
 def test_bad_key_in_config_file(tmp_path):
     cfg_file = tmp_path / "bad.py"
     cfg_file.write_text("learning_rate = 1e-3\n")
@@ -64,6 +90,8 @@ def test_total_batch_size_must_divide():
     r = run_script(["--device=cpu", "--B=4", "--T=64", "--total_batch_size=1000"])
     assert r.returncode == 1
     assert "total_batch_size=1000 is not a multiple of B*T*world_size = 4*64*1 = 256; try 768 or 1024" in r.stderr
+    r = run_script(["--device=cpu", "--B=4", "--T=64", "--total_batch_size=100"])
+    assert "total_batch_size=100 is not a multiple of B*T*world_size = 4*64*1 = 256; try 256, or change B" in r.stderr
 
 
 def test_lr_schedule():

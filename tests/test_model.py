@@ -48,6 +48,24 @@ def test_pytorch_model_bin_and_gpt2model_keys(tmp_path):
         assert (model(idx)[0] - hf(idx).logits).abs().max().item() < 1e-4
 
 
+def test_openai_names_go_through_transformers(tmp_path, monkeypatch):
+    """gpt2 & co. load through GPT2LMHeadModel.from_pretrained (a download when online); here it
+    returns a random HF model, and our logits must match it."""
+    import transformers
+    hf = make_hf(tmp_path)
+    asked = []
+
+    def fake_from_pretrained(name):
+        asked.append(name)
+        return hf
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", fake_from_pretrained)
+    model = GPT.from_pretrained("gpt2-medium").eval()
+    assert asked == ["gpt2-medium"]
+    idx = torch.randint(0, 300, (2, 30))
+    with torch.no_grad():
+        assert (model(idx)[0] - hf(idx).logits).abs().max().item() < 1e-4
+
+
 def test_from_pretrained_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither an OpenAI GPT-2 name"):
         GPT.from_pretrained(str(tmp_path / "nope"))
@@ -62,11 +80,24 @@ def test_from_pretrained_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(config, vocab_size=256)))
     with pytest.raises(ValueError, match=r"'transformer\.wte\.weight' has shape \(300, 64\), expected \(256, 64\)"):
         GPT.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, n_inner=128)))
+    with pytest.raises(ValueError, match=r"config n_inner=128, this GPT-2 supports \(None, 256\)"):
+        GPT.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, layer_norm_epsilon=1e-3)))
+    with pytest.raises(ValueError, match="layer_norm_epsilon=0.001"):
+        GPT.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json: not valid JSON"):
+        GPT.from_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(dict(config, activation_function="relu")))
     with pytest.raises(ValueError, match="activation_function='relu'"):
         GPT.from_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(config))
     sd = load_file(tmp_path / "model.safetensors")
+    save_file(dict(sd, **{"transformer.h.1.mlp.c_fc.weight": torch.zeros(64, 200)}), tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'transformer\.h\.1\.mlp\.c_fc\.weight' has shape \(200, 64\) "
+                                         r"\(transposed from Conv1D\), expected \(256, 64\)"):
+        GPT.from_pretrained(str(tmp_path))
     sd["transformer.h.0.attn.extra.weight"] = torch.zeros(2)
     save_file(sd, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"unexpected key 'transformer\.h\.0\.attn\.extra\.weight'"):
@@ -117,19 +148,19 @@ def greedy_by_recompute(model, idx, n):
     return idx
 
 
-@pytest.mark.parametrize("new_tokens", [10, 30])  # 30 runs past block_size=24: the window slides
-def test_kv_cache_generation_equals_recompute(new_tokens):
+@pytest.mark.parametrize("prompt,new_tokens", [(5, 10), (5, 30), (30, 6)])  # past block_size=24: the window slides
+def test_kv_cache_generation_equals_recompute(prompt, new_tokens):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=24, vocab_size=97, n_layer=3, n_head=4, n_embd=32)).eval()
     with torch.no_grad():  # larger weights so that the greedy path is not one repeated token
         for p in model.parameters():
             p.mul_(20)
-    idx = torch.randint(0, 97, (3, 5))
+    idx = torch.randint(0, 97, (3, prompt))
     out = model.generate(idx, new_tokens, top_k=1)
     ref = greedy_by_recompute(model, idx, new_tokens)
-    assert out.shape == (3, 5 + new_tokens)
+    assert out.shape == (3, prompt + new_tokens)
     assert torch.equal(out, ref)
-    assert len(set(out[0, 5:].tolist())) > 3  # a test that varied tokens can pass
+    assert len(set(out[0, prompt:].tolist())) > 3  # a test that varied tokens can pass
 
 
 def test_sampling_is_seeded():

