@@ -7,8 +7,10 @@ Speed and memory of the training step, the instrument behind every speed claim o
 Takes the trainer's configuration (same constants, files and overrides), runs bench_warmup +
 bench_steps optimizer steps of train_gpt2.train_step on random tokens (no disk I/O), and prints
 tok/s, model FLOPs per token, the achieved FLOP/s as a fraction of the device's matmul rate in
-the same dtype (measured in this run), and peak memory. One process: total_batch_size must be a
-multiple of B*T.
+the same dtype (measured in this run), and peak memory. Then, unless compile or
+--bench_baseline=False, the same steps with the loss computed by plain F.cross_entropy (as
+build-nanogpt does) as the baseline, and the speedup over it. One process: total_batch_size must
+be a multiple of B*T.
 
 With bench_loader_tokens > 0 it measures the loader instead: the anonymous memory (RssAnon, not
 the page cache) that DataLoaderLite adds while reading a shard of that many tokens and of a
@@ -23,7 +25,9 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+import model as model_module
 import train_gpt2
 from model import GPT, GPTConfig, flops_per_token
 
@@ -96,24 +100,15 @@ def bench_loader(c):
                   f"(ratio {ours / max(whole, 1e-9):.4f})")
 
 
-def main():
-    defaults = dict(train_gpt2.DEFAULTS)
-    defaults.update(bench_steps=5, bench_warmup=2, bench_loader_tokens=0)
-    try:
-        c = train_gpt2.parse_config(sys.argv[1:], defaults)
-    except train_gpt2.UserError as e:
-        sys.exit(f"error: {e}")
-    if c['bench_loader_tokens'] > 0:
-        return bench_loader(c)
-    _, _, _, _, device = train_gpt2.setup_device(c['device'])
-    if c['total_batch_size'] % (c['B'] * c['T']):
-        sys.exit(f"error: total_batch_size={c['total_batch_size']} is not a multiple of B*T={c['B'] * c['T']}")
-    grad_accum = c['total_batch_size'] // (c['B'] * c['T'])
-    torch.manual_seed(c['seed'])
+def peak_memory_mib(device):
     if device.startswith('cuda'):
-        torch.set_float32_matmul_precision('high')
-    config = GPTConfig(block_size=c['block_size'], vocab_size=c['vocab_size'], n_layer=c['n_layer'],
-                       n_head=c['n_head'], n_embd=c['n_embd'])
+        return torch.cuda.max_memory_allocated() / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 10  # KiB on Linux
+
+
+def time_steps(c, config, device, grad_accum):
+    """Mean seconds per optimizer step of train_gpt2.train_step (after bench_warmup steps), and the model."""
+    torch.manual_seed(c['seed'])
     model = GPT(config).to(device)
     optimizer = model.configure_optimizers(c['weight_decay'], c['max_lr'], torch.device(device).type)
     step_model = torch.compile(model) if c['compile'] else model
@@ -131,17 +126,44 @@ def main():
     for _ in range(c['bench_steps']):
         step()
     sync(device)
-    dt = (time.perf_counter() - t0) / c['bench_steps']
+    return (time.perf_counter() - t0) / c['bench_steps'], model
+
+
+def main():
+    defaults = dict(train_gpt2.DEFAULTS)
+    defaults.update(bench_steps=5, bench_warmup=2, bench_loader_tokens=0, bench_baseline=True)
+    try:
+        c = train_gpt2.parse_config(sys.argv[1:], defaults)
+    except train_gpt2.UserError as e:
+        sys.exit(f"error: {e}")
+    if c['bench_loader_tokens'] > 0:
+        return bench_loader(c)
+    _, _, _, _, device = train_gpt2.setup_device(c['device'])
+    if c['total_batch_size'] % (c['B'] * c['T']):
+        sys.exit(f"error: total_batch_size={c['total_batch_size']} is not a multiple of B*T={c['B'] * c['T']}")
+    grad_accum = c['total_batch_size'] // (c['B'] * c['T'])
+    if device.startswith('cuda'):
+        torch.set_float32_matmul_precision('high')
+    config = GPTConfig(block_size=c['block_size'], vocab_size=c['vocab_size'], n_layer=c['n_layer'],
+                       n_head=c['n_head'], n_embd=c['n_embd'])
+    dt, model = time_steps(c, config, device, grad_accum)
+    peak_mem = peak_memory_mib(device)
+    dt_base = None
+    if c['bench_baseline'] and not c['compile']:  # compiled, the model uses F.cross_entropy anyway
+        plain = model_module.cross_entropy
+        model_module.cross_entropy = lambda logits, targets: F.cross_entropy(logits, targets)
+        try:
+            if device.startswith('cuda'):
+                torch.cuda.reset_peak_memory_stats()
+            dt_base, _ = time_steps(c, config, device, grad_accum)
+            peak_mem_base = peak_memory_mib(device)  # on CPU: the process's peak so far, >= ours
+        finally:
+            model_module.cross_entropy = plain
 
     tok_per_s = c['total_batch_size'] / dt
     fpt = flops_per_token(config, c['T'])
     peak_flops = matmul_flops(device, c['dtype'])
-    if device.startswith('cuda'):
-        peak_mem = torch.cuda.max_memory_allocated() / 2 ** 20
-        mem_what = "max allocated by torch"
-    else:
-        peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 10  # KiB on Linux
-        mem_what = "peak RSS of the process"
+    mem_what = "max allocated by torch" if device.startswith('cuda') else "peak RSS of the process"
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
           f"n_embd={config.n_embd} vocab={config.vocab_size}")
@@ -154,6 +176,10 @@ def main():
     print(f"device matmul ({c['dtype']}): {peak_flops / 1e12:.3f} TFLOP/s, measured now")
     print(f"MFU vs that matmul: {tok_per_s * fpt / peak_flops:.3f}")
     print(f"peak memory: {peak_mem:,.0f} MiB ({mem_what})")
+    if dt_base is not None:
+        print(f"baseline, same step with plain F.cross_entropy (build-nanogpt's loss), measured now: "
+              f"{c['total_batch_size'] / dt_base:,.0f} tok/s, peak memory {peak_mem_base:,.0f} MiB")
+        print(f"speedup over baseline: {dt_base / dt:.3f}x; peak memory ratio: {peak_mem / peak_mem_base:.3f}")
 
 
 if __name__ == "__main__":

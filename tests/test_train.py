@@ -108,3 +108,13 @@ def test_compile_matches_eager(tmp_path):
         for step in a[kind]:
             assert abs(a[kind][step] - b[kind][step]) < 2e-4, (kind, step, a, b)
     assert len((tmp_path / "compiled" / "samples.txt").read_text().splitlines()) == 4
+
+
+def test_torchrun_error_is_one_clean_line(tmp_path):
+    """Every rank hits the same bad input: rank 0 alone reports it, all exit, nothing hangs."""
+    r = run_script([*TINY, f"--data_root={tmp_path / 'missing'}", f"--log_dir={tmp_path / 'log'}"], nproc=2, timeout=120)
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert out.count(f"error: data folder '{tmp_path / 'missing'}' not found: run `python fineweb.py`") == 1, out
+    # torchrun's own agent prints a ChildFailedError traceback; our processes print none
+    assert 'train_gpt2.py", line' not in out and "terminate called" not in out
