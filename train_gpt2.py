@@ -123,6 +123,8 @@ def check_config(c):
                 'checkpoint_interval'):
         if c[key] < 0:
             raise UserError(f"config key {key!r} must be >= 0, got {c[key]}")
+    if c['n_embd'] % c['n_head']:
+        raise UserError(f"n_embd={c['n_embd']} must be a multiple of n_head={c['n_head']}")
     if c['dtype'] not in ('bfloat16', 'float32'):
         raise UserError(f"config key 'dtype' must be 'bfloat16' or 'float32', got {c['dtype']!r}")
     if c['device'] != 'auto':

@@ -52,6 +52,7 @@ def test_config_file_sees_the_constants(tmp_path):
     (["--B=0"], r"config key 'B' must be positive, got 0"),
     (["--T=-4"], r"config key 'T' must be positive, got -4"),
     (["--max_steps=-1"], r"config key 'max_steps' must be >= 0, got -1"),
+    (["--n_head=5"], r"n_embd=768 must be a multiple of n_head=5"),
     (["--dtype=float16"], r"config key 'dtype' must be 'bfloat16' or 'float32', got 'float16'"),
     (["--device=gpu"], r"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got 'gpu'"),
 ])
