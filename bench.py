@@ -138,7 +138,7 @@ def main():
         sys.exit(f"error: {e}")
     if c['bench_loader_tokens'] > 0:
         return bench_loader(c)
-    _, _, _, _, device = train_gpt2.setup_device(c['device'])
+    _, _, _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])
     if c['total_batch_size'] % (c['B'] * c['T']):
         sys.exit(f"error: total_batch_size={c['total_batch_size']} is not a multiple of B*T={c['B'] * c['T']}")
     grad_accum = c['total_batch_size'] // (c['B'] * c['T'])

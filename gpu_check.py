@@ -44,7 +44,7 @@ def main():
     rates = [float(r) for r in re.findall(r"tok/sec (\d+\.\d+)", out.stdout)]
     steady = rates[len(rates) // 3:]  # the first steps compile
     tok_per_s = statistics.median(steady)
-    _, _, _, _, device = train_gpt2.setup_device(c['device'])  # the trainer's choice, in this process
+    _, _, _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])  # the trainer's choice, in this process
     peak = matmul_flops(device, c['dtype'])
     config = GPTConfig(block_size=c['block_size'], vocab_size=c['vocab_size'], n_layer=c['n_layer'],
                        n_head=c['n_head'], n_embd=c['n_embd'])

@@ -11,6 +11,7 @@ applied in the order given.
 """
 import ast
 import builtins
+import ctypes
 import difflib
 import glob
 import math
@@ -60,6 +61,7 @@ checkpoint_interval = 5000  # 0: only at the last step
 device = "auto"  # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps; torchrun uses cuda:LOCAL_RANK
 dtype = "bfloat16"  # bfloat16 (autocast; parameters and optimizer stay float32) or float32
 compile = True  # torch.compile the model (slow to start, faster to run)
+cpu_reuse_memory = False  # CPU on Linux: keep freed memory for reuse, ~1.4-2x faster steps, ~+40% peak RSS
 seed = 1337
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
@@ -295,7 +297,18 @@ def save_checkpoint(path, checkpoint):
             os.remove(tmp)
 
 
-def setup_device(device):
+def reuse_freed_memory():
+    """glibc hands every large tensor (the logits: B*T*vocab floats) back to the OS when it is
+    freed, and the next step page-faults gigabytes of zeroed pages back in: on a CPU that system
+    time can be half the step. Serve large blocks from the heap and never trim it instead."""
+    mallopt = getattr(ctypes.CDLL(None), 'mallopt', None)  # glibc; absent on macOS and musl
+    if mallopt is not None:
+        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+        mallopt(M_MMAP_MAX, 0)
+        mallopt(M_TRIM_THRESHOLD, -1)  # -1 is SIZE_MAX to glibc: never trim
+
+
+def setup_device(device, cpu_reuse_memory=False):
     """(ddp, rank, local_rank, world_size, device): torchrun's RANK means DDP, one process per device."""
     ddp = 'RANK' in os.environ
     rank, local_rank, world = 0, 0, 1
@@ -307,6 +320,8 @@ def setup_device(device):
         device = f'cuda:{local_rank}'  # one GPU per process, whatever index was asked for
     if device.startswith('cuda'):
         torch.cuda.set_device(device)
+    if device == 'cpu' and cpu_reuse_memory and sys.platform.startswith('linux'):
+        reuse_freed_memory()
     if ddp:
         cuda = device.startswith('cuda')
         dist.init_process_group(backend='nccl' if cuda else 'gloo', device_id=torch.device(device) if cuda else None)
@@ -324,7 +339,7 @@ def main(argv=None):
     except UserError as e:
         sys.exit(f"error: {e}" if master else 1)
     globals().update(config)  # the rest reads the constants, as overridden
-    ddp, rank, local_rank, world, dev = setup_device(device)
+    ddp, rank, local_rank, world, dev = setup_device(device, cpu_reuse_memory)
     ok = False
     try:
         run(config, rank, world, dev)

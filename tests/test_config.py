@@ -1,9 +1,11 @@
+import glob
 import math
+import os
 
 import pytest
 
 import train_gpt2
-from conftest import run_script
+from conftest import ROOT, run_script
 from train_gpt2 import UserError, get_lr, parse_config
 
 DEFAULTS = dict(train_gpt2.DEFAULTS)
@@ -96,3 +98,28 @@ def test_lr_schedule():
     assert get_lr(60, **kw) == pytest.approx(6e-5 + 0.5 * (6e-4 - 6e-5))
     assert get_lr(109, **kw) == pytest.approx(6e-5 + 0.5 * (1 + math.cos(math.pi * 0.99)) * 5.4e-4)
     assert get_lr(110, **kw) == get_lr(500, **kw) == 6e-5
+
+
+PRESETS = sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))
+
+
+def test_presets_exist():
+    assert [os.path.basename(p) for p in PRESETS] == [
+        "demo_cpu.py", "gpt2_124M.py", "gpt2_1558M.py", "gpt2_350M.py", "gpt2_774M.py"]
+
+
+@pytest.mark.parametrize("path", PRESETS)
+def test_presets_parse_and_divide(path):
+    c = parse_config([path], DEFAULTS)
+    assert c["n_embd"] % c["n_head"] == 0 and c["T"] <= c["block_size"]
+    if "gpt2_" in path:  # the GPU presets: one node of 8 GPUs, 10B tokens
+        assert c["total_batch_size"] % (c["B"] * c["T"] * 8) == 0
+        assert abs(c["max_steps"] * c["total_batch_size"] - 10e9) < 0.01e9
+        assert c["dtype"] == "bfloat16" and c["compile"] is True
+    else:
+        assert c["total_batch_size"] % (c["B"] * c["T"]) == 0
+
+
+def test_124M_preset_is_the_defaults():
+    c = parse_config([os.path.join(ROOT, "config", "gpt2_124M.py")], DEFAULTS)
+    assert {k: v for k, v in c.items() if k != "log_dir"} == {k: v for k, v in DEFAULTS.items() if k != "log_dir"}

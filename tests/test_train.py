@@ -118,3 +118,22 @@ def test_torchrun_error_is_one_clean_line(tmp_path):
     assert out.count(f"error: data folder '{tmp_path / 'missing'}' not found: run `python fineweb.py`") == 1, out
     # torchrun's own agent prints a ChildFailedError traceback; our processes print none
     assert 'train_gpt2.py", line' not in out and "terminate called" not in out
+
+
+def test_quick_start_pipeline(tmp_path):
+    """fineweb.py --demo, then config/demo_cpu.py (shortened): the README's quick start."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    data, log_dir = tmp_path / "demo", tmp_path / "log"
+    r = subprocess.run([sys.executable, "fineweb.py", "--demo", "--out_dir", str(data)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = run_script(["config/demo_cpu.py", f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=4", "--warmup_steps=2",
+                    "--eval_interval=4", "--sample_interval=4", "--sample_length=8", "--val_tokens=4096"])
+    assert r.returncode == 0, r.stderr
+    log = read_log(log_dir)
+    assert sorted(log["train"]) == [0, 1, 2, 3] and log["val"][4] < log["val"][0] - 1
+    assert (log_dir / "model_00004.pt").exists()
+    assert (log_dir / "samples.txt").read_text().startswith("step 4 sample 0: ")
+    assert (log_dir / "samples.txt").read_text().count("def ") >= 4  # the demo's prompt

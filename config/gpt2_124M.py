@@ -1,0 +1,15 @@
+# GPT-2 124M on FineWeb-Edu sample-10BT: build-nanogpt's run, and the trainer's defaults.
+# 8 GPUs (80 GB): torchrun --standalone --nproc_per_node=8 train_gpt2.py config/gpt2_124M.py
+# 10B tokens = 19,073 steps of 2**19 tokens; ~0.5M-token batches and lr 6e-4 as GPT-3 Small.
+data_root = "edu_fineweb10B"
+log_dir = "log_124M"
+n_layer = 12
+n_head = 12
+n_embd = 768
+total_batch_size = 524288
+B = 64  # per GPU; 8 GPUs -> 1 micro-step per optimizer step
+T = 1024
+max_lr = 6e-4
+min_lr = 6e-5
+warmup_steps = 715
+max_steps = 19073

@@ -1,0 +1,14 @@
+# GPT-2 medium (350M) on FineWeb-Edu sample-10BT; lr and batch of GPT-3 Medium.
+# 8 GPUs (80 GB): torchrun --standalone --nproc_per_node=8 train_gpt2.py config/gpt2_350M.py
+data_root = "edu_fineweb10B"
+log_dir = "log_350M"
+n_layer = 24
+n_head = 16
+n_embd = 1024
+total_batch_size = 524288
+B = 32  # per GPU; 8 GPUs -> 2 micro-steps per optimizer step
+T = 1024
+max_lr = 3e-4
+min_lr = 3e-5
+warmup_steps = 715
+max_steps = 19073  # 10B tokens

@@ -1,0 +1,375 @@
+"""
+Documents to GPT-2 token shards for train_gpt2.py: FineWeb-Edu (default), local files, or an
+offline demo corpus.
+
+    python fineweb.py                                  # FineWeb-Edu sample-10BT -> edu_fineweb10B/
+    python fineweb.py --dataset "data/*.jsonl" --out_dir mydata
+    python fineweb.py --demo                           # this Python's standard library -> demo_stdlib/
+
+Each document becomes <|endoftext|> followed by its tokens (encode_ordinary); the stream is cut
+into shards of shard_size tokens (documents run across shard boundaries), saved with np.save as
+uint16 arrays named {prefix}_{split}_{index:06d}.npy: shard 0 is the val split, the rest train,
+the last one holds the remainder. For the same documents and shard size the files are
+byte-identical to build-nanogpt's fineweb.py, so shards can be mixed and reused.
+
+Shards are written under a temporary name and renamed, and fineweb_manifest.json records where
+each finished shard ends in the document stream: a run that is interrupted and started again
+with the same arguments reuses the finished shards and ends with the same bytes.
+"""
+import argparse
+import glob
+import hashlib
+import itertools
+import json
+import multiprocessing as mp
+import os
+import random
+import resource
+import sys
+import sysconfig
+import time
+
+import numpy as np
+
+from tokenizer import get_gpt2_encoding
+
+MANIFEST = "fineweb_manifest.json"
+EXTENSIONS = ('.parquet', '.jsonl', '.txt')
+EOT = 50256  # <|endoftext|> delimits documents
+
+
+class FinewebError(Exception):
+    """Bad input or output folder: reported as one line, nothing half-written."""
+
+
+# -----------------------------------------------------------------------------
+# documents
+
+def local_files(spec):
+    """The files that --dataset names: a file, a folder (searched recursively) or a glob, sorted."""
+    spec = os.path.expanduser(spec)
+    if os.path.isdir(spec):
+        files = [p for p in glob.glob(os.path.join(spec, '**', '*'), recursive=True) if p.endswith(EXTENSIONS)]
+    elif glob.has_magic(spec):
+        files = glob.glob(spec, recursive=True)
+    elif os.path.isfile(spec):
+        files = [spec]
+    else:
+        raise FinewebError(f"--dataset {spec!r}: no such file or folder")
+    if not files:
+        raise FinewebError(f"--dataset {spec!r}: no {'/'.join(EXTENSIONS)} files found")
+    for path in files:
+        if not path.endswith(EXTENSIONS):
+            raise FinewebError(f"{path}: unsupported file type, expected one of {', '.join(EXTENSIONS)}")
+    return sorted(files)
+
+
+def is_local(spec):
+    """A path, folder or glob (else a HF dataset name such as HuggingFaceFW/fineweb-edu)."""
+    return (os.path.exists(spec) or glob.has_magic(spec) or spec.endswith(EXTENSIONS)
+            or spec.startswith(('.', '/', '~')))
+
+
+def check_text(text, where):
+    if not isinstance(text, str):
+        raise FinewebError(f"{where}: text is {type(text).__name__}, expected a string")
+    return text
+
+
+def iter_local(files, text_column):
+    """Documents from parquet (a column), jsonl (a key of each line) and txt (a whole file) files."""
+    for path in files:
+        if path.endswith('.parquet'):
+            import pyarrow.parquet as pq
+            pf = pq.ParquetFile(path)
+            if text_column not in pf.schema_arrow.names:
+                raise FinewebError(f"{path}: no column {text_column!r}; columns: {', '.join(pf.schema_arrow.names)} "
+                                   f"(choose one with --text_column)")
+            row = 0
+            for batch in pf.iter_batches(batch_size=1024, columns=[text_column]):
+                for text in batch.column(0).to_pylist():
+                    yield check_text(text, f"{path} row {row}")
+                    row += 1
+        elif path.endswith('.jsonl'):
+            with open(path, 'rb') as f:
+                for lineno, raw in enumerate(f, 1):
+                    if not raw.strip():
+                        continue
+                    try:
+                        obj = json.loads(raw.decode('utf-8'))
+                    except UnicodeDecodeError:
+                        raise FinewebError(f"{path}:{lineno}: not valid UTF-8") from None
+                    except json.JSONDecodeError as e:
+                        raise FinewebError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                    if not isinstance(obj, dict) or text_column not in obj:
+                        keys = ', '.join(obj) if isinstance(obj, dict) else type(obj).__name__
+                        raise FinewebError(f"{path}:{lineno}: no key {text_column!r}; keys: {keys} "
+                                           f"(choose one with --text_column)")
+                    yield check_text(obj[text_column], f"{path}:{lineno}")
+        else:
+            with open(path, 'rb') as f:
+                data = f.read()
+            try:
+                yield data.decode('utf-8')
+            except UnicodeDecodeError as e:
+                raise FinewebError(f"{path}: not valid UTF-8 (byte {e.start})") from None
+
+
+def iter_hf(dataset, name, text_column, streaming, skip):
+    """Documents of a HF dataset's train split, from document `skip` on."""
+    import datasets
+    ds = datasets.load_dataset(dataset, name=name, split='train', streaming=streaming)
+    if ds.column_names is not None and text_column not in ds.column_names:
+        raise FinewebError(f"{dataset}: no column {text_column!r}; columns: {', '.join(ds.column_names)} "
+                           f"(choose one with --text_column)")
+    if skip:
+        ds = ds.skip(skip)
+    for i, example in enumerate(ds, skip):
+        if text_column not in example:
+            raise FinewebError(f"{dataset} document {i}: no column {text_column!r}; columns: {', '.join(example)}")
+        yield check_text(example[text_column], f"{dataset} document {i}")
+
+
+def demo_files():
+    """The Python standard library's own modules (no tests, no site-packages), sorted."""
+    stdlib = sysconfig.get_paths()['stdlib']
+    files = []
+    for root, dirs, names in os.walk(stdlib):
+        dirs[:] = [d for d in dirs if d not in ('site-packages', 'dist-packages', 'test', 'tests', 'idle_test',
+                                                '__pycache__')]
+        files += [os.path.join(root, n) for n in names if n.endswith('.py')]
+    return sorted(files, key=lambda p: os.path.relpath(p, stdlib))
+
+
+def iter_demo():
+    """The demo corpus: every stdlib source file and the docstrings of each built-in module, in a
+    fixed shuffled order (sorted, then shuffled with seed 0), so that the val shard and the train
+    shards come from the same mix of modules."""
+    sources = demo_files() + sorted(sys.builtin_module_names)
+    random.Random(0).shuffle(sources)
+    for source in sources:
+        if source in sys.builtin_module_names:
+            module = __import__(source)
+            docs = [f"{source}: {module.__doc__ or ''}"]
+            for attr in sorted(dir(module)):
+                doc = getattr(getattr(module, attr), '__doc__', None)
+                if not attr.startswith('_') and isinstance(doc, str):
+                    docs.append(f"{source}.{attr}: {doc}")
+            yield "\n\n".join(docs)
+            continue
+        with open(source, 'rb') as f:
+            data = f.read()
+        try:
+            yield data.decode('utf-8')
+        except UnicodeDecodeError:
+            continue  # none in CPython's stdlib; skipped the same way every time
+
+
+# -----------------------------------------------------------------------------
+# tokens and shards
+
+def tokenize(text):
+    tokens = np.array([EOT] + get_gpt2_encoding().encode_ordinary(text))
+    assert (0 <= tokens).all() and (tokens < 2 ** 16).all(), "token ids must fit in uint16"
+    return tokens.astype(np.uint16)
+
+
+def tokenized(docs, pool, batch=1024):
+    """Token arrays of docs, in order. Bounded batches: memory does not grow with the dataset
+    (Pool.imap alone would read the whole input ahead)."""
+    while True:
+        chunk = list(itertools.islice(docs, batch))
+        if not chunk:
+            return
+        yield from (pool.imap(tokenize, chunk, chunksize=16) if pool else map(tokenize, chunk))
+
+
+def atomic_write(path, write):
+    """write(f) into a temporary file beside path, fsync, rename: path is whole or absent."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, 'wb') as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_manifest(out_dir, manifest):
+    atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+
+
+def shard_name(index):
+    # build-nanogpt's names, whatever the source: the trainer globs *_{split}_*.npy
+    return f"edufineweb_{'val' if index == 0 else 'train'}_{index:06d}.npy"
+
+
+def open_output(out_dir, fingerprint):
+    """The manifest of out_dir: a fresh one, or the one of an earlier run with the same arguments."""
+    path = os.path.join(out_dir, MANIFEST)
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                manifest = json.load(f)
+        except ValueError as e:
+            raise FinewebError(f"{path}: unreadable ({e}): delete {out_dir} and start again") from None
+        if manifest['args'] != fingerprint:
+            diff = [f"{k}: {manifest['args'].get(k)!r} there, {fingerprint.get(k)!r} now"
+                    for k in sorted(set(fingerprint) | set(manifest['args']))
+                    if manifest['args'].get(k) != fingerprint.get(k)]
+            raise FinewebError(f"{out_dir} holds shards made with other arguments ({'; '.join(diff)[:500]}): "
+                               f"delete the folder or choose another --out_dir")
+        for shard in manifest['shards']:
+            p = os.path.join(out_dir, shard['file'])
+            if not os.path.isfile(p) or os.path.getsize(p) != shard['bytes']:
+                raise FinewebError(f"{p} is missing or changed since it was written: delete {out_dir} and start again")
+        return manifest
+    if glob.glob(os.path.join(out_dir, '*.npy')):
+        raise FinewebError(f"{out_dir} already holds .npy shards that this script did not record (no {MANIFEST}): "
+                           f"delete them or choose another --out_dir")
+    return {'args': fingerprint, 'shards': [], 'complete': False}
+
+
+def build(docs, out_dir, manifest, shard_size, max_tokens, num_proc):
+    """Write the remaining shards of the token stream of docs (resumed where the manifest ends)."""
+    shards = manifest['shards']
+    start_doc, start_offset = (shards[-1]['next_doc'], shards[-1]['next_offset']) if shards else (0, 0)
+    total = sum(s['tokens'] for s in shards)
+    buf = np.empty(shard_size, dtype=np.uint16)
+    n = 0  # tokens in buf
+
+    def write_shard(next_doc, next_offset):
+        name = shard_name(len(shards))
+        atomic_write(os.path.join(out_dir, name), lambda f: np.save(f, buf[:n]))
+        shards.append({'file': name, 'tokens': n, 'bytes': os.path.getsize(os.path.join(out_dir, name)),
+                       'next_doc': next_doc, 'next_offset': next_offset})
+        save_manifest(out_dir, manifest)  # after the rename: a listed shard is always whole
+
+    from tqdm import tqdm
+    bar = tqdm(total=max_tokens or None, initial=total, unit='tok', unit_scale=True, dynamic_ncols=True)
+    t0, n_docs = time.time(), 0
+    with (mp.Pool(num_proc) if num_proc > 1 else _no_pool()) as pool:
+        doc_i = start_doc
+        for doc_i, tokens in enumerate(tokenized(docs, pool), start_doc):
+            offset = start_offset if doc_i == start_doc else 0  # the part an earlier shard holds
+            end = len(tokens) if not max_tokens else min(len(tokens), offset + max_tokens - total - n)
+            while offset < end:
+                take = min(shard_size - n, end - offset)
+                buf[n:n + take] = tokens[offset:offset + take]
+                n, offset = n + take, offset + take
+                if n == shard_size:
+                    done = offset == len(tokens)
+                    total += n
+                    write_shard(doc_i + 1 if done else doc_i, 0 if done else offset)
+                    n = 0
+            bar.update(end - (start_offset if doc_i == start_doc else 0))
+            n_docs += 1
+            if n_docs % 256 == 0:
+                bar.set_postfix(docs_per_s=f"{n_docs / (time.time() - t0):.0f}")
+            if max_tokens and total + n >= max_tokens:
+                break
+    bar.close()
+    if n:
+        total += n
+        write_shard(doc_i + 1, 0)
+    return total, n_docs
+
+
+class _no_pool:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--dataset', default='HuggingFaceFW/fineweb-edu',
+                   help="HF dataset name, or local .parquet/.jsonl/.txt files: a file, a folder or a quoted glob "
+                        "(default: %(default)s)")
+    p.add_argument('--name', default='sample-10BT', help="HF dataset config: sample-10BT, sample-100BT, ... "
+                                                         "(default: %(default)s; ignored for local files)")
+    p.add_argument('--text_column', default='text', help="column (parquet, HF) or key (jsonl) holding the text; "
+                                                         ".txt files are one document each (default: %(default)s)")
+    p.add_argument('--out_dir', default=None, help="output folder (default: edu_fineweb10B, demo_stdlib with --demo)")
+    p.add_argument('--shard_size', type=int, default=None,
+                   help="tokens per shard (default: 100,000,000; 500,000 with --demo)")
+    p.add_argument('--num_proc', type=int, default=os.cpu_count(), help="tokenizer processes (default: all cores)")
+    p.add_argument('--streaming', action='store_true',
+                   help="HF only: tokenize while downloading, without keeping the raw dataset on disk")
+    p.add_argument('--max_tokens', type=int, default=0, help="stop after this many tokens (default: 0, all)")
+    p.add_argument('--demo', action='store_true',
+                   help="offline demo corpus: this Python's standard library sources and built-in docstrings")
+    args = p.parse_args(argv)
+    try:
+        run(args)
+    except FinewebError as e:
+        sys.exit(f"error: {e}")
+
+
+def run(args):
+    out_dir = args.out_dir or ('demo_stdlib' if args.demo else 'edu_fineweb10B')
+    shard_size = args.shard_size or (500_000 if args.demo else 100_000_000)
+    if shard_size <= 0 or args.max_tokens < 0 or args.num_proc <= 0:
+        raise FinewebError("--shard_size and --num_proc must be positive, --max_tokens >= 0")
+    # what decides the bytes written (not streaming or num_proc): a rerun must match it to resume
+    fingerprint = {'shard_size': shard_size, 'max_tokens': args.max_tokens}
+    if args.demo:
+        files = demo_files()
+        fingerprint.update(demo=sys.version, stdlib=sysconfig.get_paths()['stdlib'], files=len(files))
+        open_docs = lambda skip: itertools.islice(iter_demo(), skip, None)
+    elif is_local(args.dataset):
+        files = local_files(args.dataset)
+        fingerprint.update(dataset=args.dataset, text_column=args.text_column, files=files_digest(files))
+        open_docs = lambda skip: itertools.islice(iter_local(files, args.text_column), skip, None)
+    else:
+        fingerprint.update(dataset=args.dataset, name=args.name, text_column=args.text_column)
+        open_docs = lambda skip: iter_hf(args.dataset, args.name, args.text_column, args.streaming, skip)
+
+    manifest = open_output(out_dir, fingerprint) if os.path.isdir(out_dir) else \
+        {'args': fingerprint, 'shards': [], 'complete': False}
+    done = list(manifest['shards'])  # finished by an earlier run
+    if manifest['complete']:
+        print(f"{out_dir} is complete already: reused all {len(done)} shards "
+              f"({sum(s['tokens'] for s in done):,} tokens), nothing to do")
+        return
+    skip = done[-1]['next_doc'] if done else 0
+    docs = open_docs(skip)
+    first = next(docs, None)  # fail before writing anything: a missing column, an empty dataset
+    if first is None and not done:
+        raise FinewebError(f"{'the demo corpus' if args.demo else args.dataset}: no documents")
+    os.makedirs(out_dir, exist_ok=True)
+    for tmp in glob.glob(os.path.join(out_dir, '*.tmp*')):  # left by a killed run
+        os.remove(tmp)
+    if done:
+        print(f"resuming: reused {len(done)} finished shards ({sum(s['tokens'] for s in done):,} tokens) in {out_dir}, "
+              f"continuing at document {skip:,}")
+    save_manifest(out_dir, manifest)
+
+    t0 = time.time()
+    docs = itertools.chain([first], docs) if first is not None else iter(())  # none left: killed before 'complete'
+    total, n_docs = build(docs, out_dir, manifest, shard_size, args.max_tokens,
+                          args.num_proc)
+    manifest['complete'] = True
+    save_manifest(out_dir, manifest)
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    print(f"done: {n_docs:,} documents, {total:,} tokens in {len(manifest['shards'])} shards "
+          f"({len(manifest['shards']) - len(done)} new) in {out_dir}, {time.time() - t0:.1f} s, "
+          f"peak memory of one process {peak / 1024:,.0f} MiB")
+
+
+def files_digest(files):
+    """Names, sizes and modification times of the input files: a rerun must see the same input."""
+    h = hashlib.sha256()
+    for path in files:
+        st = os.stat(path)
+        h.update(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return f"{len(files)} files, sha256 {h.hexdigest()[:16]}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+import glob
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import fineweb
+from conftest import ROOT
+from train_gpt2 import DataLoaderLite
+
+WORDS = "the a model token shard Python ünïcödé 数据 emoji🙂 code def class return 42 3.14 \n\n".split(" ")
+
+
+def make_docs(n, seed=0, max_words=400):
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, rng.integers(1, max_words))) for _ in range(n)]
+
+
+def expected_files(docs, shard_size, enc, max_tokens=0):
+    """build-nanogpt's output, computed the brute-force way: {name: bytes of np.save}."""
+    stream = np.concatenate([np.array([50256] + enc.encode_ordinary(d), dtype=np.uint16) for d in docs])
+    if max_tokens:
+        stream = stream[:max_tokens]
+    out = {}
+    for i, start in enumerate(range(0, len(stream), shard_size)):
+        f = io.BytesIO()
+        np.save(f, stream[start:start + shard_size])
+        out[f"edufineweb_{'val' if i == 0 else 'train'}_{i:06d}.npy"] = f.getvalue()
+    return out
+
+
+def shard_files(folder):
+    return {os.path.basename(p): open(p, "rb").read() for p in glob.glob(os.path.join(folder, "*.npy"))}
+
+
+def write_jsonl(path, docs, key="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for i, d in enumerate(docs):
+            f.write(json.dumps({"id": i, key: d}) + "\n")
+
+
+def write_parquet(path, docs):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), path, row_group_size=7)
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_local_parquet_and_jsonl_shards(tmp_path, enc, num_proc):
+    docs = make_docs(60)
+    src = tmp_path / "src"
+    os.makedirs(src / "sub")
+    write_parquet(src / "a.parquet", docs[:25])  # sorted paths: a.parquet, b.jsonl, sub/c.txt
+    write_jsonl(src / "b.jsonl", docs[25:59])
+    (src / "sub" / "c.txt").write_text(docs[59], encoding="utf-8")
+    out = tmp_path / "out"
+    fineweb.main(["--dataset", str(src), "--out_dir", str(out), "--shard_size", "1000", f"--num_proc={num_proc}"])
+    want = expected_files(docs, 1000, enc)
+    assert len(want) > 3 and shard_files(out) == want  # names, sizes, split, bytes
+    assert len(np.load(out / "edufineweb_val_000000.npy")) == 1000
+    # the trainer reads them
+    loader = DataLoaderLite(2, 8, 0, 1, "train", str(out))
+    x, y = loader.next_batch()
+    assert x.flatten()[:5].tolist() == list(np.load(out / "edufineweb_train_000001.npy")[:5])
+
+
+def test_glob_max_tokens_and_a_document_longer_than_a_shard(tmp_path, enc):
+    docs = make_docs(10, seed=1, max_words=3000)
+    for i in range(2):
+        write_jsonl(tmp_path / f"part{i}.jsonl", docs[5 * i:5 * i + 5], key="content")
+    out = tmp_path / "out"
+    fineweb.main(["--dataset", str(tmp_path / "part*.jsonl"), "--text_column", "content", "--out_dir", str(out),
+                  "--shard_size", "300", "--max_tokens", "5000", "--num_proc=1"])
+    assert shard_files(out) == expected_files(docs, 300, enc, max_tokens=5000)
+
+
+def test_rerun_on_a_complete_folder_reuses_everything(tmp_path, capsys):
+    write_jsonl(tmp_path / "d.jsonl", make_docs(20))
+    args = ["--dataset", str(tmp_path / "d.jsonl"), "--out_dir", str(tmp_path / "out"), "--shard_size", "500",
+            "--num_proc=1"]
+    fineweb.main(args)
+    before = shard_files(tmp_path / "out")
+    capsys.readouterr()
+    fineweb.main(args)
+    assert "complete already: reused all" in capsys.readouterr().out
+    assert shard_files(tmp_path / "out") == before
+
+
+@pytest.mark.parametrize("crash_at_write", [1, 2, 3, 4, 6])  # odd: a shard, even: the manifest after it
+def test_interrupted_then_rerun_is_byte_identical(tmp_path, monkeypatch, capsys, enc, crash_at_write):
+    """Ctrl-C at the n-th atomic write (a shard, or the manifest that records it); then the
+    same command again finishes with exactly the uninterrupted bytes."""
+    docs = make_docs(40, seed=2)
+    write_jsonl(tmp_path / "d.jsonl", docs)
+    args = ["--dataset", str(tmp_path / "d.jsonl"), "--out_dir", str(tmp_path / "out"), "--shard_size", "700",
+            "--num_proc=1"]
+    real, calls = fineweb.atomic_write, []
+
+    def interrupting(path, write):
+        calls.append(path)
+        if len(calls) == 1 + crash_at_write:  # the first write is the empty manifest
+            with open(f"{path}.tmp123", "wb") as f:  # as a kill would leave it
+                f.write(b"half")
+            raise KeyboardInterrupt
+        real(path, write)
+    monkeypatch.setattr(fineweb, "atomic_write", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        fineweb.main(args)
+    monkeypatch.setattr(fineweb, "atomic_write", real)
+    capsys.readouterr()
+    fineweb.main(args)
+    out = capsys.readouterr().out
+    if crash_at_write > 2:
+        assert "resuming: reused" in out
+    assert shard_files(tmp_path / "out") == expected_files(docs, 700, enc)
+    assert not glob.glob(str(tmp_path / "out" / "*.tmp*"))
+
+
+def test_kill_9_then_rerun_is_byte_identical(tmp_path):
+    """A real kill -9 of a running fineweb.py, then the same command: the uninterrupted bytes."""
+    rng = np.random.default_rng(3)
+    with open(tmp_path / "big.jsonl", "w") as f:
+        for i in range(4000):
+            f.write(json.dumps({"text": " ".join(map(str, rng.integers(0, 10 ** 6, 1500)))}) + "\n")
+    cmd = [sys.executable, "fineweb.py", "--dataset", str(tmp_path / "big.jsonl"), "--shard_size", "100000",
+           "--num_proc=1"]
+    ref = subprocess.run(cmd + ["--out_dir", str(tmp_path / "ref")], cwd=ROOT, capture_output=True, text=True)
+    assert ref.returncode == 0, ref.stderr
+    n_shards = len(shard_files(tmp_path / "ref"))
+    out = tmp_path / "out"
+    proc = subprocess.Popen(cmd + ["--out_dir", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    manifest = out / fineweb.MANIFEST
+    deadline = time.time() + 60
+    while time.time() < deadline:  # kill once two shards are recorded
+        try:
+            if len(json.loads(manifest.read_text())["shards"]) >= 2:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    state = json.loads(manifest.read_text())
+    assert not state["complete"] and len(state["shards"]) < n_shards  # it really was cut short
+    again = subprocess.run(cmd + ["--out_dir", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert "resuming: reused" in again.stdout
+    assert shard_files(out) == shard_files(tmp_path / "ref")
+
+
+def run_error(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        fineweb.main(argv + ["--num_proc=1"])
+    assert e.value.code != 0
+    return str(e.value.code)
+
+
+def test_error_paths(tmp_path, capsys):
+    out = tmp_path / "out"
+    msg = run_error(["--dataset", str(tmp_path / "missing.jsonl"), "--out_dir", str(out)], capsys)
+    assert msg == f"error: --dataset '{tmp_path / 'missing.jsonl'}': no such file or folder"
+    (tmp_path / "empty.jsonl").write_text("")
+    msg = run_error(["--dataset", str(tmp_path / "empty.jsonl"), "--out_dir", str(out)], capsys)
+    assert msg == f"error: {tmp_path / 'empty.jsonl'}: no documents"
+    write_jsonl(tmp_path / "k.jsonl", ["x"], key="body")
+    msg = run_error(["--dataset", str(tmp_path / "k.jsonl"), "--out_dir", str(out)], capsys)
+    assert msg == f"error: {tmp_path / 'k.jsonl'}:1: no key 'text'; keys: id, body (choose one with --text_column)"
+    write_parquet(tmp_path / "p.parquet", ["x"])
+    msg = run_error(["--dataset", str(tmp_path / "p.parquet"), "--text_column", "body", "--out_dir", str(out)], capsys)
+    assert msg == f"error: {tmp_path / 'p.parquet'}: no column 'body'; columns: id, text (choose one with --text_column)"
+    (tmp_path / "bad.txt").write_bytes(b"ok \xff\xfe not utf-8")
+    msg = run_error(["--dataset", str(tmp_path / "bad.txt"), "--out_dir", str(out)], capsys)
+    assert msg == f"error: {tmp_path / 'bad.txt'}: not valid UTF-8 (byte 3)"
+    (tmp_path / "j.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
+    msg = run_error(["--dataset", str(tmp_path / "j.jsonl"), "--out_dir", str(out)], capsys)
+    assert msg.startswith(f"error: {tmp_path / 'j.jsonl'}:2: not valid JSON")
+    assert not out.exists() or not glob.glob(str(out / "*.npy"))  # the good first document wrote no shard
+    (tmp_path / "x.csv").write_text("a,b\n")
+    msg = run_error(["--dataset", str(tmp_path / "x.csv"), "--out_dir", str(out)], capsys)
+    assert "x.csv: unsupported file type" in msg
+
+
+def test_refuses_a_folder_of_other_shards(tmp_path, capsys):
+    write_jsonl(tmp_path / "d.jsonl", make_docs(20))
+    out = tmp_path / "out"
+    fineweb.main(["--dataset", str(tmp_path / "d.jsonl"), "--out_dir", str(out), "--shard_size", "500", "--num_proc=1"])
+    before = shard_files(out)
+    msg = run_error(["--dataset", str(tmp_path / "d.jsonl"), "--out_dir", str(out), "--shard_size", "600"], capsys)
+    assert f"error: {out} holds shards made with other arguments (shard_size: 500 there, 600 now)" in msg
+    assert "delete the folder or choose another --out_dir" in msg
+    assert shard_files(out) == before
+    foreign = tmp_path / "foreign"
+    os.makedirs(foreign)
+    np.save(foreign / "edufineweb_train_000001.npy", np.arange(10, dtype=np.uint16))
+    msg = run_error(["--dataset", str(tmp_path / "d.jsonl"), "--out_dir", str(foreign)], capsys)
+    assert "already holds .npy shards that this script did not record" in msg
+    assert len(os.listdir(foreign)) == 1
+
+
+def test_hf_dataset_path(tmp_path, monkeypatch, enc):
+    """The HF branch, with datasets.load_dataset answering from memory (no network here)."""
+    import datasets
+    docs = make_docs(30, seed=4)
+    asked = []
+
+    def fake_load_dataset(path, name=None, split=None, streaming=False):
+        asked.append((path, name, split, streaming))
+        ds = datasets.Dataset.from_dict({"text": docs, "id": list(range(len(docs)))})
+        return ds.to_iterable_dataset() if streaming else ds
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    fineweb.main(["--out_dir", str(tmp_path / "a"), "--shard_size", "800", "--num_proc=1", "--streaming"])
+    assert asked == [("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)]
+    assert shard_files(tmp_path / "a") == expected_files(docs, 800, enc)
+    # not streaming, interrupted after 3 shards, resumed through Dataset.skip
+    real, calls = fineweb.atomic_write, []
+
+    def interrupting(path, write):
+        calls.append(path)
+        if len(calls) == 8:  # manifest, then (shard, manifest) x 3, then the 4th shard
+            raise KeyboardInterrupt
+        real(path, write)
+    monkeypatch.setattr(fineweb, "atomic_write", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        fineweb.main(["--out_dir", str(tmp_path / "c"), "--shard_size", "800", "--num_proc=1"])
+    monkeypatch.setattr(fineweb, "atomic_write", real)
+    fineweb.main(["--out_dir", str(tmp_path / "c"), "--shard_size", "800", "--num_proc=1"])
+    assert shard_files(tmp_path / "c") == expected_files(docs, 800, enc)
+    with pytest.raises(SystemExit, match="HuggingFaceFW/fineweb-edu: no column 'body'; columns: text, id"):
+        fineweb.main(["--out_dir", str(tmp_path / "b"), "--text_column", "body", "--num_proc=1"])
+
+
+def test_demo_corpus_is_deterministic(tmp_path, enc):
+    first = list(fineweb.iter_demo())
+    assert len(first) > 500 and any("def " in d for d in first)
+    for n in (1, 2):
+        r = subprocess.run([sys.executable, "fineweb.py", "--demo", "--out_dir", str(tmp_path / f"d{n}")],
+                           cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    a, b = shard_files(tmp_path / "d1"), shard_files(tmp_path / "d2")
+    assert a == b and len(a) > 5
+    total = sum(len(np.load(tmp_path / "d1" / name)) for name in a)
+    assert 2_000_000 < total < 20_000_000  # a few million tokens
+    assert np.load(tmp_path / "d1" / "edufineweb_train_000003.npy")[:10].tolist() == \
+        np.concatenate([[50256] + enc.encode_ordinary(d) for d in first])[1_500_000:1_500_010].tolist()
+
+
+def test_works_with_spawn(tmp_path, enc):
+    """macOS/Windows start workers with spawn: they import fineweb, which does no work at import."""
+    docs = make_docs(30, seed=5)
+    write_jsonl(tmp_path / "d.jsonl", docs)
+    code = ("import multiprocessing as mp, fineweb\n"
+            "if __name__ == '__main__':\n"
+            "    mp.set_start_method('spawn')\n"
+            f"    fineweb.main(['--dataset', {str(tmp_path / 'd.jsonl')!r}, '--out_dir', {str(tmp_path / 'out')!r},"
+            " '--shard_size', '900', '--num_proc', '2'])\n")
+    (tmp_path / "spawn_main.py").write_text(code)
+    r = subprocess.run([sys.executable, str(tmp_path / "spawn_main.py")], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    assert shard_files(tmp_path / "out") == expected_files(docs, 900, enc)
