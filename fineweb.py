@@ -19,12 +19,12 @@ with the same arguments reuses the finished shards and ends with the same bytes.
 import argparse
 import glob
 import hashlib
+import inspect
 import itertools
 import json
 import multiprocessing as mp
 import os
 import random
-import resource
 import sys
 import sysconfig
 import time
@@ -81,10 +81,7 @@ def iter_local(files, text_column):
     for path in files:
         if path.endswith('.parquet'):
             import pyarrow.parquet as pq
-            pf = pq.ParquetFile(path)
-            if text_column not in pf.schema_arrow.names:
-                raise FinewebError(f"{path}: no column {text_column!r}; columns: {', '.join(pf.schema_arrow.names)} "
-                                   f"(choose one with --text_column)")
+            pf = pq.ParquetFile(path)  # its columns were checked up front
             row = 0
             for batch in pf.iter_batches(batch_size=1024, columns=[text_column]):
                 for text in batch.column(0).to_pylist():
@@ -115,10 +112,23 @@ def iter_local(files, text_column):
                 raise FinewebError(f"{path}: not valid UTF-8 (byte {e.start})") from None
 
 
+def check_parquet_columns(files, text_column):
+    import pyarrow.parquet as pq
+    for path in files:
+        names = pq.read_schema(path).names if path.endswith('.parquet') else [text_column]
+        if text_column not in names:
+            raise FinewebError(f"{path}: no column {text_column!r}; columns: {', '.join(names)} "
+                               f"(choose one with --text_column)")
+
+
 def iter_hf(dataset, name, text_column, streaming, skip):
     """Documents of a HF dataset's train split, from document `skip` on."""
     import datasets
-    ds = datasets.load_dataset(dataset, name=name, split='train', streaming=streaming)
+    try:
+        ds = datasets.load_dataset(dataset, name=name, split='train', streaming=streaming)
+    except Exception as e:  # offline, a typo, no such config: one line that says which
+        raise FinewebError(f"--dataset {dataset!r} is no local file, folder or glob, and loading it from the HF hub "
+                           f"failed: {type(e).__name__}: {str(e)[:300]}") from None
     if ds.column_names is not None and text_column not in ds.column_names:
         raise FinewebError(f"{dataset}: no column {text_column!r}; columns: {', '.join(ds.column_names)} "
                            f"(choose one with --text_column)")
@@ -152,9 +162,11 @@ def iter_demo():
             module = __import__(source)
             docs = [f"{source}: {module.__doc__ or ''}"]
             for attr in sorted(dir(module)):
-                doc = getattr(getattr(module, attr), '__doc__', None)
-                if not attr.startswith('_') and isinstance(doc, str):
-                    docs.append(f"{source}.{attr}: {doc}")
+                # functions and classes, not live objects (sys.stdout); a hook the running program
+                # may replace (sys.excepthook under pytest) as originally installed (sys.__excepthook__)
+                obj = getattr(module, f"__{attr}__", getattr(module, attr))
+                if not attr.startswith('_') and (inspect.isroutine(obj) or inspect.isclass(obj)) and obj.__doc__:
+                    docs.append(f"{source}.{attr}: {obj.__doc__}")
             yield "\n\n".join(docs)
             continue
         with open(source, 'rb') as f:
@@ -216,6 +228,8 @@ def open_output(out_dir, fingerprint):
                 manifest = json.load(f)
         except ValueError as e:
             raise FinewebError(f"{path}: unreadable ({e}): delete {out_dir} and start again") from None
+        if not manifest['shards']:  # an earlier run stopped before its first shard
+            return {'args': fingerprint, 'shards': [], 'complete': False}
         if manifest['args'] != fingerprint:
             diff = [f"{k}: {manifest['args'].get(k)!r} there, {fingerprint.get(k)!r} now"
                     for k in sorted(set(fingerprint) | set(manifest['args']))
@@ -309,6 +323,8 @@ def main(argv=None):
         run(args)
     except FinewebError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit("interrupted: finished shards are kept; run the same command again to resume")
 
 
 def run(args):
@@ -324,7 +340,8 @@ def run(args):
         open_docs = lambda skip: itertools.islice(iter_demo(), skip, None)
     elif is_local(args.dataset):
         files = local_files(args.dataset)
-        fingerprint.update(dataset=args.dataset, text_column=args.text_column, files=files_digest(files))
+        check_parquet_columns(files, args.text_column)
+        fingerprint.update(text_column=args.text_column, files=files_digest(files))
         open_docs = lambda skip: itertools.islice(iter_local(files, args.text_column), skip, None)
     else:
         fingerprint.update(dataset=args.dataset, name=args.name, text_column=args.text_column)
@@ -343,7 +360,8 @@ def run(args):
     if first is None and not done:
         raise FinewebError(f"{'the demo corpus' if args.demo else args.dataset}: no documents")
     os.makedirs(out_dir, exist_ok=True)
-    for tmp in glob.glob(os.path.join(out_dir, '*.tmp*')):  # left by a killed run
+    for tmp in glob.glob(os.path.join(out_dir, 'edufineweb_*.npy.tmp*')) + glob.glob(os.path.join(out_dir, MANIFEST + '.tmp*')):
+        # left by a killed run
         os.remove(tmp)
     if done:
         print(f"resuming: reused {len(done)} finished shards ({sum(s['tokens'] for s in done):,} tokens) in {out_dir}, "
@@ -356,10 +374,19 @@ def run(args):
                           args.num_proc)
     manifest['complete'] = True
     save_manifest(out_dir, manifest)
+    print(f"done: {total:,} tokens in {len(manifest['shards'])} shards ({len(manifest['shards']) - len(done)} new) "
+          f"in {out_dir}; this run: {n_docs:,} documents in {time.time() - t0:.1f} s{peak_memory()}")
+    if len(manifest['shards']) == 1:
+        print(f"warning: only the val shard was written; train_gpt2.py also needs train shards: lower --shard_size")
+
+
+def peak_memory():
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return ""
     peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-    print(f"done: {n_docs:,} documents, {total:,} tokens in {len(manifest['shards'])} shards "
-          f"({len(manifest['shards']) - len(done)} new) in {out_dir}, {time.time() - t0:.1f} s, "
-          f"peak memory of one process {peak / 1024:,.0f} MiB")
+    return f", peak memory of one process {peak / (2 ** 20 if sys.platform == 'darwin' else 2 ** 10):,.0f} MiB"
 
 
 def files_digest(files):

@@ -14,6 +14,7 @@ import builtins
 import ctypes
 import difflib
 import glob
+import json
 import math
 import os
 import sys
@@ -152,6 +153,16 @@ def find_shards(data_root, split):
     if not os.path.isdir(data_root):
         raise UserError(f"data folder {data_root!r} not found: run `python fineweb.py` to make the token "
                         f"shards, or point data_root at them")
+    manifest = os.path.join(data_root, 'fineweb_manifest.json')  # written by fineweb.py
+    if os.path.isfile(manifest):
+        try:
+            with open(manifest) as f:
+                complete = json.load(f)['complete']
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{manifest}: unreadable ({e!r})") from None
+        if not complete:
+            raise UserError(f"{data_root!r} is unfinished: fineweb.py was interrupted or failed there; "
+                            f"run the same fineweb.py command again to finish it")
     shards = sorted(glob.glob(os.path.join(data_root, f'*_{split}_*.npy')))
     if not shards:
         raise UserError(f"no {split} shard (*_{split}_*.npy) in {data_root!r}: run `python fineweb.py`")

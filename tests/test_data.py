@@ -81,6 +81,15 @@ def test_error_paths(tmp_path):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
 
 
+def test_unfinished_fineweb_output_is_refused(tmp_path):
+    make_shards(tmp_path, [100, 100])
+    (tmp_path / "fineweb_manifest.json").write_text('{"args": {}, "shards": [], "complete": false}')
+    with pytest.raises(UserError, match=r"is unfinished: fineweb.py was interrupted or failed there; run the same"):
+        DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
+    (tmp_path / "fineweb_manifest.json").write_text('{"args": {}, "shards": [], "complete": true}')
+    DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
+
+
 def test_val_tokens_span_shards_and_errors(tmp_path):
     write_shards(tmp_path, "val", [np.arange(10), np.arange(100, 110)])
     assert load_val_tokens(str(tmp_path), 14).tolist() == list(range(10)) + list(range(100, 105))

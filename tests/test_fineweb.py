@@ -92,33 +92,39 @@ def test_rerun_on_a_complete_folder_reuses_everything(tmp_path, capsys):
     assert shard_files(tmp_path / "out") == before
 
 
-@pytest.mark.parametrize("crash_at_write", [1, 2, 3, 4, 6])  # odd: a shard, even: the manifest after it
-def test_interrupted_then_rerun_is_byte_identical(tmp_path, monkeypatch, capsys, enc, crash_at_write):
-    """Ctrl-C at the n-th atomic write (a shard, or the manifest that records it); then the
-    same command again finishes with exactly the uninterrupted bytes."""
+# the writes: 1 the empty manifest; then per shard k: 2k the shard, 2k+1 the manifest recording it;
+# last the manifest marked complete. Negative: counted from the end (the final shard and 'complete').
+@pytest.mark.parametrize("crash_at", [1, 2, 3, 4, 5, 7, -3, -2, -1])
+@pytest.mark.parametrize("max_tokens", [0, 9000])
+def test_interrupted_then_rerun_is_byte_identical(tmp_path, monkeypatch, capsys, enc, crash_at, max_tokens):
+    """Ctrl-C at one atomic write (a shard, or the manifest that records it); then the same
+    command again finishes with exactly the uninterrupted bytes."""
     docs = make_docs(40, seed=2)
     write_jsonl(tmp_path / "d.jsonl", docs)
     args = ["--dataset", str(tmp_path / "d.jsonl"), "--out_dir", str(tmp_path / "out"), "--shard_size", "700",
-            "--num_proc=1"]
+            "--num_proc=1", f"--max_tokens={max_tokens}"]
+    want = expected_files(docs, 700, enc, max_tokens)
+    n_writes = 2 + 2 * len(want)
+    crash_at = crash_at if crash_at > 0 else n_writes + 1 + crash_at
     real, calls = fineweb.atomic_write, []
 
     def interrupting(path, write):
         calls.append(path)
-        if len(calls) == 1 + crash_at_write:  # the first write is the empty manifest
+        if len(calls) == crash_at:
             with open(f"{path}.tmp123", "wb") as f:  # as a kill would leave it
                 f.write(b"half")
             raise KeyboardInterrupt
         real(path, write)
     monkeypatch.setattr(fineweb, "atomic_write", interrupting)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="interrupted: finished shards are kept; run the same command again"):
         fineweb.main(args)
     monkeypatch.setattr(fineweb, "atomic_write", real)
     capsys.readouterr()
     fineweb.main(args)
     out = capsys.readouterr().out
-    if crash_at_write > 2:
+    if crash_at > 3:
         assert "resuming: reused" in out
-    assert shard_files(tmp_path / "out") == expected_files(docs, 700, enc)
+    assert shard_files(tmp_path / "out") == want
     assert not glob.glob(str(tmp_path / "out" / "*.tmp*"))
 
 
@@ -181,9 +187,23 @@ def test_error_paths(tmp_path, capsys):
     msg = run_error(["--dataset", str(tmp_path / "j.jsonl"), "--out_dir", str(out)], capsys)
     assert msg.startswith(f"error: {tmp_path / 'j.jsonl'}:2: not valid JSON")
     assert not out.exists() or not glob.glob(str(out / "*.npy"))  # the good first document wrote no shard
+    (tmp_path / "j.jsonl").write_text('{"text": "fine"}\n{"text": "mended"}\n')  # fixed: the rerun goes through
+    fineweb.main(["--dataset", str(tmp_path / "j.jsonl"), "--out_dir", str(out), "--num_proc=1"])
+    assert len(np.load(out / "edufineweb_val_000000.npy")) == 2 + len(fineweb.tokenize("fine")) + len(fineweb.tokenize("mended")) - 2
+    folder = tmp_path / "two_parquets"
+    os.makedirs(folder)
+    write_parquet(folder / "a.parquet", make_docs(50))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"body": ["x"]}), folder / "b.parquet")
+    msg = run_error(["--dataset", str(folder), "--out_dir", str(tmp_path / "o2"), "--shard_size", "100"], capsys)
+    assert msg == f"error: {folder / 'b.parquet'}: no column 'text'; columns: body (choose one with --text_column)"
+    assert not (tmp_path / "o2").exists()  # checked before the first shard of a.parquet
     (tmp_path / "x.csv").write_text("a,b\n")
-    msg = run_error(["--dataset", str(tmp_path / "x.csv"), "--out_dir", str(out)], capsys)
+    msg = run_error(["--dataset", str(tmp_path / "x.csv"), "--out_dir", str(tmp_path / "o3")], capsys)
     assert "x.csv: unsupported file type" in msg
+    msg = run_error(["--dataset", "no_such_folder/", "--out_dir", str(tmp_path / "o3")], capsys)
+    assert msg.startswith("error: --dataset 'no_such_folder/' is no local file, folder or glob, and loading it from the HF hub failed")
 
 
 def test_refuses_a_folder_of_other_shards(tmp_path, capsys):
@@ -226,7 +246,7 @@ def test_hf_dataset_path(tmp_path, monkeypatch, enc):
             raise KeyboardInterrupt
         real(path, write)
     monkeypatch.setattr(fineweb, "atomic_write", interrupting)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="interrupted"):
         fineweb.main(["--out_dir", str(tmp_path / "c"), "--shard_size", "800", "--num_proc=1"])
     monkeypatch.setattr(fineweb, "atomic_write", real)
     fineweb.main(["--out_dir", str(tmp_path / "c"), "--shard_size", "800", "--num_proc=1"])
@@ -235,7 +255,20 @@ def test_hf_dataset_path(tmp_path, monkeypatch, enc):
         fineweb.main(["--out_dir", str(tmp_path / "b"), "--text_column", "body", "--num_proc=1"])
 
 
+def demo_digest():
+    import hashlib
+    h = hashlib.sha256()
+    for doc in fineweb.iter_demo():
+        h.update(doc.encode() + b"\0")
+    return h.hexdigest()
+
+
 def test_demo_corpus_is_deterministic(tmp_path, enc):
+    # the same documents under pytest (sys.stdout replaced) as in a plain subprocess
+    code = "import sys; sys.path.insert(0, 'tests'); import test_fineweb; print(test_fineweb.demo_digest())"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == demo_digest()
     first = list(fineweb.iter_demo())
     assert len(first) > 500 and any("def " in d for d in first)
     for n in (1, 2):

@@ -135,5 +135,5 @@ def test_quick_start_pipeline(tmp_path):
     log = read_log(log_dir)
     assert sorted(log["train"]) == [0, 1, 2, 3] and log["val"][4] < log["val"][0] - 1
     assert (log_dir / "model_00004.pt").exists()
-    assert (log_dir / "samples.txt").read_text().startswith("step 4 sample 0: ")
-    assert (log_dir / "samples.txt").read_text().count("def ") >= 4  # the demo's prompt
+    samples = (log_dir / "samples.txt").read_text().splitlines()
+    assert len(samples) == 4 and all(re.match(r"step 4 sample \d: ['\"]def ", s) for s in samples), samples
