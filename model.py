@@ -137,9 +137,9 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, kv_cache=None, start_pos=0):
-        # idx: (B, T) token ids; targets: (B, T) or None;
-        # kv_cache: None, or per layer a (2, B, nh, L, hs) buffer, L >= start_pos + T (see generate)
+    def hidden_states(self, idx, kv_cache=None, start_pos=0):
+        """The final hidden states (B, T, n_embd), before the output layer. idx: (B, T) token ids;
+        kv_cache: None, or per layer a (2, B, nh, L, hs) buffer, L >= start_pos + T (see generate)."""
         B, T = idx.size()
         if start_pos + T > self.config.block_size:
             raise ValueError(f"sequence of length {start_pos + T} is longer than block_size={self.config.block_size}")
@@ -147,8 +147,11 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
         for i, block in enumerate(self.transformer.h):
             x = block(x, None if kv_cache is None else kv_cache[i], start_pos)
-        x = self.transformer.ln_f(x)
-        logits = self.lm_head(x)  # (B, T, vocab_size)
+        return self.transformer.ln_f(x)
+
+    def forward(self, idx, targets=None, kv_cache=None, start_pos=0):
+        # idx: (B, T) token ids; targets: (B, T) or None
+        logits = self.lm_head(self.hidden_states(idx, kv_cache, start_pos))  # (B, T, vocab_size)
         loss = None
         if targets is not None:
             loss = cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))

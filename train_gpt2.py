@@ -58,6 +58,8 @@ sample_interval = 250
 sample_prompt = "Hello, I'm a language model,"
 sample_length = 32  # new tokens in each of the 4 samples
 checkpoint_interval = 5000  # 0: only at the last step
+hellaswag = True  # HellaSwag acc_norm at every eval (all ranks share the 10,042 val examples)
+hellaswag_file = ""  # a HellaSwag jsonl file; "" = the val split, downloaded once into ./hellaswag/
 # system
 device = "auto"  # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps; torchrun uses cuda:LOCAL_RANK
 dtype = "bfloat16"  # bfloat16 (autocast; parameters and optimizer stay float32) or float32
@@ -236,6 +238,37 @@ def load_val_tokens(data_root, n_tokens):
 
 
 @torch.no_grad()
+def load_hellaswag(file, model, rank, world, device):
+    """The rendered HellaSwag val examples, or None after one warning when there are none; the
+    same answer on every rank."""
+    import hellaswag as hs
+    examples, why = None, None
+    if model.config.vocab_size < 50257:
+        why = f"vocab_size={model.config.vocab_size} is smaller than GPT-2's 50257"
+    else:
+        path = file or os.path.join(hs.CACHE_DIR, 'hellaswag_val.jsonl')
+        if not file and rank == 0:
+            try:
+                hs.download('val')  # nothing to do once cached
+            except hs.HellaSwagError as e:
+                why = str(e)
+        if world > 1:
+            dist.barrier()  # rank 0's download first
+        if os.path.isfile(path):
+            try:
+                examples = [hs.render_example(e) for e in hs.iterate_examples(file=path)]
+            except hs.HellaSwagError as e:
+                raise UserError(str(e)) from None
+        else:
+            why = why or f"{path} not found"
+    found = torch.tensor(int(examples is not None), device=device)
+    if world > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MIN)  # e.g. a node without the file: nobody evaluates
+    if rank == 0 and not found.item():
+        print(f"warning: no HellaSwag eval: {why or 'not on every node'}; training goes on without it")
+    return examples if found.item() else None
+
+
 def evaluate(model, tokens, B, T, rank, world, device, dtype):
     """Mean loss over the len(tokens) // T sequences of T tokens in tokens, all ranks together.
     Rank r scores the sequences r, r + world, ...: the value does not depend on world."""
@@ -413,6 +446,7 @@ def run(config, rank, world, device):
     if world > 1:
         model = DDP(model, device_ids=[torch.device(device).index] if device_type == 'cuda' else None)
     optimizer = raw_model.configure_optimizers(weight_decay, max_lr, device_type)
+    hella_data = load_hellaswag(hellaswag_file, raw_model, rank, world, device) if hellaswag and eval_interval > 0 else None
 
     log_file = os.path.join(log_dir, 'log.txt')
     if master:
@@ -434,6 +468,16 @@ def run(config, rank, world, device):
             if master:
                 print(f"step {step:5d} | val loss {val_loss:.4f}")
                 log(f"{step} val {val_loss:.4f}")
+            if hella_data is not None:  # the plain module: works the same with compile and DDP
+                import hellaswag as hs
+                counts = torch.tensor(hs.evaluate(raw_model, hella_data, device, dtype, rank, world), device=device)
+                if world > 1:
+                    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+                n, correct, correct_norm = counts.tolist()
+                if master:
+                    print(f"step {step:5d} | hellaswag acc_norm {correct_norm}/{n} = {correct_norm / n:.4f} "
+                          f"(acc {correct / n:.4f})")
+                    log(f"{step} hella {correct_norm / n:.4f}")
         if master and sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step):
             sample(raw_model, step, device)
         if master and checkpoint:  # 'config' is the model's, as build-nanogpt's checkpoints

@@ -7,6 +7,7 @@ import torch
 
 from conftest import TINY, read_log, run_script, write_shards
 from model import GPT, GPTConfig
+from test_hellaswag import make_examples, write_file
 from train_gpt2 import evaluate, load_val_tokens
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A language model predicts the next token. "
@@ -20,7 +21,9 @@ def test_end_to_end_tiny_run(tmp_path, enc):
     data, log_dir = tmp_path / "data", tmp_path / "log"
     write_shards(data, "val", [tokens[:600]])
     write_shards(data, "train", [tokens[600:], tokens])
+    write_file(tmp_path / "hella.jsonl", make_examples(12))
     r = run_script([*TINY, "--dtype=bfloat16", f"--data_root={data}", f"--log_dir={log_dir}", "--B=4", "--T=32",
+                    f"--hellaswag_file={tmp_path / 'hella.jsonl'}",
                     "--total_batch_size=256", "--max_steps=20", "--eval_interval=8", "--val_tokens=512",
                     "--sample_interval=10", "--sample_length=8", "--checkpoint_interval=10"])
     assert r.returncode == 0, r.stderr
@@ -29,10 +32,11 @@ def test_end_to_end_tiny_run(tmp_path, enc):
     assert re.search(r"step     3 \| loss \d+\.\d{6} \| lr \d\.\d{4}e-\d\d \| norm \d+\.\d{4} \| dt \d+\.\d\dms \| tok/sec \d+", r.stdout)
 
     lines = (log_dir / "log.txt").read_text().splitlines()
-    assert all(re.fullmatch(r"\d+ train \d+\.\d{6}|\d+ val \d+\.\d{4}", line) for line in lines), lines
+    assert all(re.fullmatch(r"\d+ train \d+\.\d{6}|\d+ val \d+\.\d{4}|\d+ hella \d\.\d{4}", line) for line in lines), lines
     log = read_log(log_dir)
     # every eval_interval, at the last step, and at each checkpoint so that it holds its own val loss
     assert sorted(log["train"]) == list(range(20)) and sorted(log["val"]) == [0, 8, 10, 16, 20]
+    assert sorted(log["hella"]) == [0, 8, 10, 16, 20] and all(abs(v * 12 - round(v * 12)) < 1e-3 for v in log["hella"].values())  # k/12
     assert log["train"][19] < log["train"][0] - 3
     assert log["val"][20] < log["val"][0] - 3
 
@@ -71,6 +75,7 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
     assert two.returncode == 0, two.stderr
     assert "world_size=2" in two.stdout and "grad_accum_steps=2" in two.stdout
     assert two.stdout.count("config:\n") == 1  # rank 0 alone prints
+    assert two.stdout.count("warning: no HellaSwag eval: vocab_size=512") == 1  # and training went on
 
     log1, log2 = read_log(tmp_path / "one"), read_log(tmp_path / "two")
     assert sorted(log1["train"]) == sorted(log2["train"]) == list(range(8))
@@ -96,13 +101,16 @@ def test_compile_matches_eager(tmp_path):
     data = tmp_path / "data"
     write_shards(data, "val", [rng.integers(0, 50257, 300)])
     write_shards(data, "train", [rng.integers(0, 50257, 1000)])
+    write_file(tmp_path / "hella.jsonl", make_examples(10))
     common = [*TINY, f"--data_root={data}", "--B=2", "--T=16", "--total_batch_size=64", "--max_steps=3",
-              "--eval_interval=3", "--val_tokens=256", "--sample_interval=3", "--sample_length=4"]
+              "--eval_interval=3", "--val_tokens=256", "--sample_interval=3", "--sample_length=4",
+              f"--hellaswag_file={tmp_path / 'hella.jsonl'}"]
     eager = run_script([*common, f"--log_dir={tmp_path / 'eager'}"])
     assert eager.returncode == 0, eager.stderr
     compiled = run_script([*common, "--compile=True", f"--log_dir={tmp_path / 'compiled'}"])
     assert compiled.returncode == 0, compiled.stderr
     a, b = read_log(tmp_path / "eager"), read_log(tmp_path / "compiled")
+    assert a["hella"] == b["hella"] and sorted(b["hella"]) == [0, 3]
     for kind in ("train", "val"):
         assert a[kind].keys() == b[kind].keys()
         for step in a[kind]:
@@ -137,3 +145,20 @@ def test_quick_start_pipeline(tmp_path):
     assert (log_dir / "model_00004.pt").exists()
     samples = (log_dir / "samples.txt").read_text().splitlines()
     assert len(samples) == 4 and all(re.match(r"step 4 sample \d: ['\"]def ", s) for s in samples), samples
+
+
+def test_hellaswag_in_training_same_for_any_world_size(tmp_path):
+    """HellaSwag at each eval: 2 processes (examples i % 2 == rank, counts all-reduced) log what 1 logs."""
+    rng = np.random.default_rng(2)
+    data = tmp_path / "data"
+    write_shards(data, "val", [rng.integers(0, 50257, 300)])
+    write_shards(data, "train", [rng.integers(0, 50257, 1000)])
+    write_file(tmp_path / "hella.jsonl", make_examples(31, seed=3))
+    common = [*TINY, f"--data_root={data}", "--B=2", "--T=16", "--total_batch_size=64", "--max_steps=2",
+              "--eval_interval=2", "--val_tokens=256", "--sample_interval=0", f"--hellaswag_file={tmp_path / 'hella.jsonl'}"]
+    one = run_script([*common, f"--log_dir={tmp_path / 'one'}"])
+    two = run_script([*common, f"--log_dir={tmp_path / 'two'}"], nproc=2)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    a, b = read_log(tmp_path / "one"), read_log(tmp_path / "two")
+    assert sorted(a["hella"]) == [0, 2] and a["hella"] == b["hella"]
+    assert re.search(r"hellaswag acc_norm \d+/31 = ", two.stdout)

@@ -1,0 +1,159 @@
+import http.server
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+import hellaswag
+from model import GPT
+
+WORDS = "a man is seen the woman then they continue to walk dog ball kitchen holds up smiles camera".split()
+
+
+def make_examples(n, seed=0):
+    rng = np.random.default_rng(seed)
+    words = lambda k: " ".join(rng.choice(WORDS, k))
+    return [{"ind": i, "activity_label": "Test", "ctx_a": "", "ctx_b": "", "ctx": words(rng.integers(3, 30)),
+             "split": "val", "split_type": "indomain", "label": int(rng.integers(0, 4)),
+             "endings": [words(rng.integers(1, 15)) for _ in range(4)], "source_id": f"test~{i}"}
+            for i in range(n)]
+
+
+def write_file(path, examples):
+    with open(path, "w") as f:
+        for e in examples:
+            f.write(json.dumps(e) + "\n")
+
+
+@pytest.fixture(scope="module")
+def hf_and_ours(tmp_path_factory):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    d = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(d)
+    return hf, GPT.from_pretrained(str(d)).eval()
+
+
+def brute_force(hf, example):
+    """build-nanogpt's scoring with HF's full logits, one example at a time."""
+    tokens, mask, label = hellaswag.render_example(example)
+    with torch.no_grad():
+        logits = hf(tokens).logits
+    losses = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1),
+                             reduction="none").view(4, -1) * mask[:, 1:]
+    sums = losses.sum(1)
+    return sums, sums / mask[:, 1:].sum(1)
+
+
+def test_render_example_as_build_nanogpt(enc):
+    e = {"ctx": "A man sits", "label": 2, "endings": ["down.", "on a big chair.", "up", "there"]}
+    tokens, mask, label = hellaswag.render_example(e)
+    ctx = enc.encode("A man sits")
+    assert label == 2 and tokens.shape == mask.shape == (4, len(ctx) + len(enc.encode(" on a big chair.")))
+    assert tokens[1].tolist() == ctx + enc.encode(" on a big chair.")
+    assert tokens[0].tolist() == ctx + enc.encode(" down.") + [0] * (tokens.size(1) - len(ctx) - len(enc.encode(" down.")))
+    assert mask[0].tolist() == [0] * len(ctx) + [1] * len(enc.encode(" down.")) + [0] * (tokens.size(1) - len(ctx) - 2)
+
+
+def test_batched_equals_one_at_a_time_equals_hf(hf_and_ours):
+    hf, ours = hf_and_ours
+    examples = make_examples(40)
+    rendered = [hellaswag.render_example(e) for e in examples]
+    sums, avgs = hellaswag.ending_losses(ours, rendered, "cpu")  # all 40 in one forward
+    for i, e in enumerate(examples):
+        ref_sum, ref_avg = brute_force(hf, e)
+        one_sum, one_avg = hellaswag.ending_losses(ours, [rendered[i]], "cpu")
+        for s, a in ((sums[4 * i:4 * i + 4], avgs[4 * i:4 * i + 4]), (one_sum, one_avg)):
+            assert torch.allclose(s, ref_sum, atol=1e-4) and torch.allclose(a, ref_avg, atol=1e-5)
+            assert s.argmin() == ref_sum.argmin() and a.argmin() == ref_avg.argmin()
+    counts = [hellaswag.evaluate(ours, rendered, "cpu", batch_examples=b) for b in (1, 7, 40)]
+    assert counts[0] == counts[1] == counts[2]
+    ref = [brute_force(hf, e) for e in examples]
+    assert counts[0] == (40, sum(int(r[0].argmin() == e["label"]) for r, e in zip(ref, examples)),
+                         sum(int(r[1].argmin() == e["label"]) for r, e in zip(ref, examples)))
+    # ranks take i % world: the parts add up to the whole
+    parts = [hellaswag.evaluate(ours, rendered, "cpu", rank=r, world=3) for r in range(3)]
+    assert tuple(map(sum, zip(*parts))) == counts[0]
+
+
+def test_bf16_forward_float32_loss(hf_and_ours):
+    _, ours = hf_and_ours
+    rendered = [hellaswag.render_example(e) for e in make_examples(8, seed=1)]
+    s32, _ = hellaswag.ending_losses(ours, rendered, "cpu", "float32")
+    s16, _ = hellaswag.ending_losses(ours, rendered, "cpu", "bfloat16")
+    assert s16.dtype == torch.float32 and torch.allclose(s16, s32, rtol=0.05)
+
+
+def test_long_examples_lose_context_from_the_left(hf_and_ours, capsys):
+    _, ours = hf_and_ours  # block_size 64
+    e = make_examples(1)[0]
+    e["ctx"] = " ".join(["kitchen"] * 100)
+    tokens, mask, label = hellaswag.render_example(e)
+    assert tokens.size(1) > 64
+    n, _, _ = hellaswag.evaluate(ours, [(tokens, mask, label)], "cpu")
+    assert n == 1 and "1 examples are longer than block_size=64: their contexts lose tokens from the left" in capsys.readouterr().out
+    s, _ = hellaswag.ending_losses(ours, [(tokens, mask, label)], "cpu")
+    keep = [(t[m.nonzero()[-1] + 1 - 64:m.nonzero()[-1] + 1]) for t, m in zip(tokens, mask)]
+    with torch.no_grad():  # the same as scoring the last 64 tokens of each row
+        for i, row in enumerate(keep):
+            logits, _ = ours(row[None])
+            n_end = int(mask[i].sum())
+            ref = F.cross_entropy(logits[0, -n_end - 1:-1], row[-n_end:], reduction="sum")
+            assert abs(ref.item() - s[i].item()) < 1e-4
+
+
+def test_bad_lines_name_file_and_line(tmp_path):
+    good = make_examples(2)
+    for bad, message in [("not json", r":3: not valid JSON"),
+                         (json.dumps(dict(good[0], label=4)), r":3: label must be 0..3, got 4"),
+                         (json.dumps(dict(good[0], endings=["a", "b", "c"])), r":3: expected 4 string endings")]:
+        path = tmp_path / "h.jsonl"
+        write_file(path, good)
+        with open(path, "a") as f:
+            f.write(bad + "\n")
+        with pytest.raises(hellaswag.HellaSwagError, match=str(path) + message):
+            list(hellaswag.iterate_examples(file=str(path)))
+
+
+class Server:
+    """A local HTTP server for the download tests; truncate=True sends half the body."""
+
+    def __init__(self, body, truncate=False):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body[:len(body) // 2] if truncate else body)
+
+            def log_message(self, *a):
+                pass
+        self.httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/hellaswag_val.jsonl"
+        threading.Thread(target=self.httpd.handle_request, daemon=True).start()
+
+
+def test_download(tmp_path):
+    examples = make_examples(5)
+    write_file(tmp_path / "src.jsonl", examples)
+    body = (tmp_path / "src.jsonl").read_bytes()
+    cache = tmp_path / "cache"
+    bad = Server(body, truncate=True)
+    with pytest.raises(hellaswag.HellaSwagError, match=r"could not download .* put hellaswag_val.jsonl in .*cache"):
+        hellaswag.download("val", str(cache), url=bad.url)
+    assert os.listdir(cache) == []  # no half file, under any name
+    good = Server(body)
+    path = hellaswag.download("val", str(cache), url=good.url)
+    assert open(path, "rb").read() == body
+    assert hellaswag.download("val", str(cache), url="http://127.0.0.1:9/unused") == path  # cached
+    assert [e["ind"] for e in hellaswag.iterate_examples("val", cache_dir=str(cache))] == [0, 1, 2, 3, 4]
+    with pytest.raises(hellaswag.HellaSwagError, match="could not download http://127.0.0.1:9/"):
+        hellaswag.download("train", str(cache), url="http://127.0.0.1:9/hellaswag_train.jsonl")
