@@ -66,6 +66,8 @@ def download(split, cache_dir=CACHE_DIR, url=None):
 def iterate_examples(split="val", file=None, cache_dir=CACHE_DIR):
     """The examples of a HellaSwag jsonl file (file, else the cached/downloaded split), checked."""
     path = file or download(split, cache_dir)
+    if not os.path.isfile(path):
+        raise HellaSwagError(f"{path}: no such file (expected HellaSwag jsonl, one example per line)")
     with open(path, encoding='utf-8') as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -132,6 +134,35 @@ def ending_losses(model, rendered, device, dtype="float32"):
     return sum_loss, sum_loss / sel.sum(1)
 
 
+@torch.no_grad()
+def shared_context_losses(model, rendered, device, dtype="float32"):
+    """ending_losses for examples whose contexts have the same length (and fit in block_size):
+    each context runs once, its keys and values are cached and shared by its 4 endings, and the
+    output layer runs once for the first ending token (all 4 are predicted at the context's end)."""
+    Lc = int(torch.nonzero(rendered[0][1][0])[0])  # context length: where the mask starts
+    K = len(rendered)
+    ends = [t[i, Lc:Lc + int(m[i].sum())] for t, m, _ in rendered for i in range(4)]
+    Le = max(len(e) for e in ends)
+    idx = torch.zeros((4 * K, Le), dtype=torch.long)
+    sel = torch.zeros((4 * K, Le), dtype=torch.bool)
+    for i, e in enumerate(ends):
+        idx[i, :len(e)] = e
+        sel[i, :len(e)] = True
+    ctx = torch.stack([t[0, :Lc] for t, _, _ in rendered]).to(device)  # (K, Lc)
+    idx, sel = idx.to(device), sel.to(device)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        cache = model.new_kv_cache(K, Lc + Le)
+        first = model.lm_head(model.hidden_states(ctx, cache, 0)[:, -1])  # (K, vocab): each ending's 1st token
+        cache = [c.repeat_interleave(4, dim=1) for c in cache]  # (2, 4K, nh, Lc + Le, hs): 4 endings each
+        h = model.hidden_states(idx, cache, Lc)[:, :-1]  # (4K, Le-1, n_embd): ending tokens 2.. on
+        logits = model.lm_head(h[sel[:, 1:]])  # (ending tokens after the first, vocab)
+    first_logp = F.log_softmax(first.float(), dim=-1)  # once per context, read by its 4 endings
+    first_loss = -first_logp[torch.arange(4 * K, device=device) // 4, idx[:, 0]]
+    losses = F.cross_entropy(logits.float(), idx[:, 1:][sel[:, 1:]], reduction='none')
+    sum_loss = first_loss.index_add(0, sel[:, 1:].nonzero()[:, 0], losses)
+    return sum_loss, sum_loss / sel.sum(1)
+
+
 def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_examples=16):
     """(examples, correct by acc, correct by acc_norm) over examples i % world == rank; sum these
     over ranks for the whole set."""
@@ -140,12 +171,20 @@ def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_ex
     if too_long and rank == 0:
         print(f"hellaswag: {too_long} examples are longer than block_size={model.config.block_size}: "
               f"their contexts lose tokens from the left")
+    # batches of examples whose contexts have the same length share the work of their contexts;
+    # the rare example longer than block_size goes through ending_losses alone
+    groups = {}
+    for r in mine:
+        fits = int(torch.nonzero(r[1].sum(0))[-1]) + 1 <= model.config.block_size
+        groups.setdefault(int(torch.nonzero(r[1][0])[0]) if fits else -1, []).append(r)
+    batches = [(length, g[i:i + batch_examples]) for length, g in sorted(groups.items())
+               for i in range(0, len(g), batch_examples)]
     n = correct = correct_norm = 0
     was_training = model.training
     model.eval()
-    for i in range(0, len(mine), batch_examples):
-        batch = mine[i:i + batch_examples]
-        sum_loss, avg_loss = ending_losses(model, batch, device, dtype)
+    for length, batch in batches:
+        score = shared_context_losses if length >= 0 else ending_losses
+        sum_loss, avg_loss = score(model, batch, device, dtype)
         labels = torch.tensor([label for _, _, label in batch], device=device)
         correct += int((sum_loss.view(-1, 4).argmin(1) == labels).sum())
         correct_norm += int((avg_loss.view(-1, 4).argmin(1) == labels).sum())

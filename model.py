@@ -239,19 +239,22 @@ class GPT(nn.Module):
     # -------------------------------------------------------------------------
     # generation
 
+    def new_kv_cache(self, B, length):
+        """Empty key/value buffers for B sequences of up to `length` positions: per layer
+        (2, B, nh, length, hs), in autocast's dtype when it is on (k and v come in that dtype)."""
+        nh, hs = self.config.n_head, self.config.n_embd // self.config.n_head
+        device, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
+        if torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+        return [torch.empty(2, B, nh, length, hs, device=device, dtype=dtype) for _ in self.transformer.h]
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Append max_new_tokens sampled tokens to idx (B, T) and return it. Keys and values are
         cached, so each new token costs one position's forward. Once the sequence outgrows
         block_size the positions of all tokens shift, and the window is recomputed each step."""
-        B = idx.size(0)
-        bs, nh, hs = self.config.block_size, self.config.n_head, self.config.n_embd // self.config.n_head
-        device = self.lm_head.weight.device
-        dtype = self.lm_head.weight.dtype  # k and v arrive in autocast's dtype when it is on
-        if torch.is_autocast_enabled(device.type):
-            dtype = torch.get_autocast_dtype(device.type)
-        n = min(bs, idx.size(1) + max_new_tokens)  # the longest window this call will see
-        kv_cache = [torch.empty(2, B, nh, n, hs, device=device, dtype=dtype) for _ in self.transformer.h]
+        bs = self.config.block_size
+        kv_cache = self.new_kv_cache(idx.size(0), min(bs, idx.size(1) + max_new_tokens))  # the longest window
         n_cached = 0  # positions of idx[:, -bs:] already in the cache
         for _ in range(max_new_tokens):
             if idx.size(1) > bs:  # the window slid: cached positions are stale

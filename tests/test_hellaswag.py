@@ -157,3 +157,25 @@ def test_download(tmp_path):
     assert [e["ind"] for e in hellaswag.iterate_examples("val", cache_dir=str(cache))] == [0, 1, 2, 3, 4]
     with pytest.raises(hellaswag.HellaSwagError, match="could not download http://127.0.0.1:9/"):
         hellaswag.download("train", str(cache), url="http://127.0.0.1:9/hellaswag_train.jsonl")
+
+
+def test_standalone_cli(tmp_path, hf_and_ours):
+    """python hellaswag.py --model <HF dir> --file ... prints what evaluate counts; a .pt checkpoint too."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    hf, ours = hf_and_ours
+    examples = make_examples(20, seed=7)
+    write_file(tmp_path / "h.jsonl", examples)
+    hf.save_pretrained(tmp_path / "hfdir")
+    n, c, cn = hellaswag.evaluate(ours, [hellaswag.render_example(e) for e in examples[:15]], "cpu")
+    want = f"acc: {c / n:.4f} acc_norm: {cn / n:.4f}"
+    torch.save({"model": ours.state_dict(), "config": ours.config.__dict__}, tmp_path / "model_00001.pt")
+    for model in (tmp_path / "hfdir", tmp_path / "model_00001.pt"):
+        r = subprocess.run([sys.executable, "hellaswag.py", "--model", str(model), "--file", str(tmp_path / "h.jsonl"),
+                            "--device", "cpu", "--limit", "15"], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip().splitlines()[-1] == want
+    r = subprocess.run([sys.executable, "hellaswag.py", "--model", str(tmp_path / "hfdir"), "--file",
+                        str(tmp_path / "missing.jsonl")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'missing.jsonl'}: no such file (expected HellaSwag jsonl, one example per line)"
