@@ -101,6 +101,11 @@ def render_example(example):
     return tokens, mask, example['label']
 
 
+def token_losses(logits, targets):
+    """Cross-entropy per row in float32: log_softmax upcasts inside (no float copy of the logits)."""
+    return -F.log_softmax(logits, dim=-1, dtype=torch.float32).gather(1, targets[:, None]).squeeze(1)
+
+
 @torch.no_grad()
 def ending_losses(model, rendered, device, dtype="float32"):
     """(sum, mean) losses (4 * len(rendered),) of the endings of several rendered examples, in one
@@ -128,7 +133,7 @@ def ending_losses(model, rendered, device, dtype="float32"):
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
         h = model.hidden_states(idx)[:, :-1]  # (R, L-1, n_embd)
         logits = model.lm_head(h[sel])  # (ending tokens, vocab): the output layer where it matters
-    losses = F.cross_entropy(logits.float(), idx[:, 1:][sel], reduction='none')
+    losses = token_losses(logits, idx[:, 1:][sel])
     row_of = sel.nonzero()[:, 0]
     sum_loss = torch.zeros(len(rows), device=device).index_add_(0, row_of, losses)
     return sum_loss, sum_loss / sel.sum(1)
@@ -156,9 +161,9 @@ def shared_context_losses(model, rendered, device, dtype="float32"):
         cache = [c.repeat_interleave(4, dim=1) for c in cache]  # (2, 4K, nh, Lc + Le, hs): 4 endings each
         h = model.hidden_states(idx, cache, Lc)[:, :-1]  # (4K, Le-1, n_embd): ending tokens 2.. on
         logits = model.lm_head(h[sel[:, 1:]])  # (ending tokens after the first, vocab)
-    first_logp = F.log_softmax(first.float(), dim=-1)  # once per context, read by its 4 endings
+    first_logp = F.log_softmax(first, dim=-1, dtype=torch.float32)  # once per context, for its 4 endings
     first_loss = -first_logp[torch.arange(4 * K, device=device) // 4, idx[:, 0]]
-    losses = F.cross_entropy(logits.float(), idx[:, 1:][sel[:, 1:]], reduction='none')
+    losses = token_losses(logits, idx[:, 1:][sel[:, 1:]])
     sum_loss = first_loss.index_add(0, sel[:, 1:].nonzero()[:, 0], losses)
     return sum_loss, sum_loss / sel.sum(1)
 
