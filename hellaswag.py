@@ -101,9 +101,21 @@ def render_example(example):
     return tokens, mask, example['label']
 
 
-def token_losses(logits, targets):
-    """Cross-entropy per row in float32: log_softmax upcasts inside (no float copy of the logits)."""
-    return -F.log_softmax(logits, dim=-1, dtype=torch.float32).gather(1, targets[:, None]).squeeze(1)
+def token_losses(model, h, targets, device, dtype, chunk=64):
+    """Cross-entropy in float32 of the output layer's predictions from hidden states h (N, n_embd)
+    for targets (N,), 64 rows at a time: a (64, vocab) block of logits stays in cache through
+    the log-softmax (about 2x faster on CPU than all rows at once)."""
+    losses = torch.empty(len(targets), device=device)
+    for i in range(0, len(targets), chunk):
+        with autocast(device, dtype):
+            logits = model.lm_head(h[i:i + chunk])
+        logp = F.log_softmax(logits, dim=-1, dtype=torch.float32)  # upcast inside: no float copy
+        losses[i:i + chunk] = -logp.gather(1, targets[i:i + chunk, None]).squeeze(1)
+    return losses
+
+
+def autocast(device, dtype):
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
 
 @torch.no_grad()
@@ -130,10 +142,9 @@ def ending_losses(model, rendered, device, dtype="float32"):
         idx[i, :len(r)] = r
         sel[i, :len(m)] = m.bool()
     idx, sel = idx.to(device), sel[:, 1:].to(device)  # token j is predicted at position j - 1
-    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+    with autocast(device, dtype):
         h = model.hidden_states(idx)[:, :-1]  # (R, L-1, n_embd)
-        logits = model.lm_head(h[sel])  # (ending tokens, vocab): the output layer where it matters
-    losses = token_losses(logits, idx[:, 1:][sel])
+    losses = token_losses(model, h[sel], idx[:, 1:][sel], device, dtype)  # the output layer where it matters
     row_of = sel.nonzero()[:, 0]
     sum_loss = torch.zeros(len(rows), device=device).index_add_(0, row_of, losses)
     return sum_loss, sum_loss / sel.sum(1)
@@ -155,15 +166,14 @@ def shared_context_losses(model, rendered, device, dtype="float32"):
         sel[i, :len(e)] = True
     ctx = torch.stack([t[0, :Lc] for t, _, _ in rendered]).to(device)  # (K, Lc)
     idx, sel = idx.to(device), sel.to(device)
-    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+    with autocast(device, dtype):
         cache = model.new_kv_cache(K, Lc + Le)
         first = model.lm_head(model.hidden_states(ctx, cache, 0)[:, -1])  # (K, vocab): each ending's 1st token
         cache = [c.repeat_interleave(4, dim=1) for c in cache]  # (2, 4K, nh, Lc + Le, hs): 4 endings each
         h = model.hidden_states(idx, cache, Lc)[:, :-1]  # (4K, Le-1, n_embd): ending tokens 2.. on
-        logits = model.lm_head(h[sel[:, 1:]])  # (ending tokens after the first, vocab)
     first_logp = F.log_softmax(first, dim=-1, dtype=torch.float32)  # once per context, for its 4 endings
     first_loss = -first_logp[torch.arange(4 * K, device=device) // 4, idx[:, 0]]
-    losses = token_losses(logits, idx[:, 1:][sel[:, 1:]])
+    losses = token_losses(model, h[sel[:, 1:]], idx[:, 1:][sel[:, 1:]], device, dtype)
     sum_loss = first_loss.index_add(0, sel[:, 1:].nonzero()[:, 0], losses)
     return sum_loss, sum_loss / sel.sum(1)
 
