@@ -149,7 +149,7 @@ def bench_hellaswag(c, config, device):
         correct = 0
         for tokens, mask, label in rendered:
             tokens, mask = tokens.to(device), mask.to(device)
-            with train_gpt2.autocast(device, c['dtype']):
+            with model_module.autocast(device, c['dtype']):
                 logits, _ = model(tokens)
             losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(),
                                      reduction='none').view(4, -1) * mask[:, 1:]

@@ -20,6 +20,7 @@ import urllib.request
 import torch
 from torch.nn import functional as F
 
+from model import autocast
 from tokenizer import get_gpt2_encoding
 
 URLS = {split: f"https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
@@ -114,8 +115,6 @@ def token_losses(model, h, targets, device, dtype, chunk=64):
     return losses
 
 
-def autocast(device, dtype):
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
 
 @torch.no_grad()
@@ -181,17 +180,15 @@ def shared_context_losses(model, rendered, device, dtype="float32"):
 def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_examples=16):
     """(examples, correct by acc, correct by acc_norm) over examples i % world == rank; sum these
     over ranks for the whole set."""
-    mine = rendered[rank::world]
-    too_long = sum(int(torch.nonzero(m.sum(0))[-1]) + 1 > model.config.block_size for _, m, _ in mine)
-    if too_long and rank == 0:
-        print(f"hellaswag: {too_long} examples are longer than block_size={model.config.block_size}: "
-              f"their contexts lose tokens from the left")
     # batches of examples whose contexts have the same length share the work of their contexts;
-    # the rare example longer than block_size goes through ending_losses alone
+    # the rare example longer than block_size (key -1) goes through ending_losses alone
     groups = {}
-    for r in mine:
+    for r in rendered[rank::world]:
         fits = int(torch.nonzero(r[1].sum(0))[-1]) + 1 <= model.config.block_size
         groups.setdefault(int(torch.nonzero(r[1][0])[0]) if fits else -1, []).append(r)
+    if -1 in groups and rank == 0:
+        print(f"hellaswag: {len(groups[-1])} examples are longer than block_size={model.config.block_size}: "
+              f"their contexts lose tokens from the left")
     batches = [(length, g[i:i + batch_examples]) for length, g in sorted(groups.items())
                for i in range(0, len(g), batch_examples)]
     n = correct = correct_norm = 0

@@ -46,6 +46,11 @@ class CrossEntropy(torch.autograd.Function):
         return grad * grad_loss.to(grad.dtype), None
 
 
+def autocast(device, dtype):
+    """bf16 autocast on device when dtype is "bfloat16"; a no-op context for "float32"."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == 'bfloat16')
+
+
 def cross_entropy(logits, targets):
     if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and logits.requires_grad):
         return F.cross_entropy(logits.float(), targets)  # inductor fuses this one well; eval needs no gradient

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, autocast
 
 # -----------------------------------------------------------------------------
 # config: the defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu (build-nanogpt's run)
@@ -291,11 +291,6 @@ def evaluate(model, tokens, B, T, rank, world, device, dtype):
 
 # -----------------------------------------------------------------------------
 # training
-
-def autocast(device, dtype):
-    device_type = torch.device(device).type
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=dtype == 'bfloat16')
-
 
 def train_step(model, optimizer, loader, grad_accum_steps, lr, grad_clip, device, dtype, world):
     """One optimizer step over grad_accum_steps micro-batches; returns (mean loss, grad norm)."""
