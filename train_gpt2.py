@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fineweb import atomic_write
 from model import GPT, GPTConfig, autocast
 
 # -----------------------------------------------------------------------------
@@ -317,25 +318,6 @@ def train_step(model, optimizer, loader, grad_accum_steps, lr, grad_clip, device
     return loss_accum, norm
 
 
-def save_checkpoint(path, checkpoint):
-    """torch.save to a temporary file in the same folder, then rename: never a half-written file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, 'wb') as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a crash
-        finally:
-            os.close(dir_fd)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def reuse_freed_memory():
     """glibc hands every large tensor (the logits: B*T*vocab floats) back to the OS when it is
     freed, and the next step page-faults gigabytes of zeroed pages back in: on a CPU that system
@@ -476,9 +458,10 @@ def run(config, rank, world, device):
         if master and sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step):
             sample(raw_model, step, device)
         if master and checkpoint:  # 'config' is the model's, as build-nanogpt's checkpoints
-            save_checkpoint(os.path.join(log_dir, f"model_{step:05d}.pt"), {
-                'model': raw_model.state_dict(), 'config': asdict(raw_model.config),
-                'train_config': config, 'step': step, 'val_loss': val_loss})
+            ckpt = {'model': raw_model.state_dict(), 'config': asdict(raw_model.config),
+                    'train_config': config, 'step': step, 'val_loss': val_loss}
+            # temporary file, fsync, rename: a checkpoint is whole or absent
+            atomic_write(os.path.join(log_dir, f"model_{step:05d}.pt"), lambda f: torch.save(ckpt, f))
         if last_step:
             break
 
