@@ -116,8 +116,8 @@ def time_steps(c, config, device, grad_accum):
     loader = RandomTokens(c['B'], c['T'], c['vocab_size'])
 
     def step():
-        loss, _ = train_gpt2.train_step(step_model, optimizer, loader, grad_accum, c['max_lr'], c['grad_clip'],
-                                        device, c['dtype'], 1)
+        loss, _, _ = train_gpt2.train_step(step_model, optimizer, loader, grad_accum, c['max_lr'], c['grad_clip'],
+                                           device, c['dtype'], 1)
         return loss.item()  # waits for the device, as the trainer does
 
     for _ in range(c['bench_warmup']):

@@ -17,9 +17,15 @@ import glob
 import json
 import math
 import os
+import pickle
+import random
+import re
+import signal
 import sys
 import time
+import types
 from dataclasses import asdict
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -58,7 +64,10 @@ val_tokens = 10485760  # first 10M tokens of the val split, whatever the number 
 sample_interval = 250
 sample_prompt = "Hello, I'm a language model,"
 sample_length = 32  # new tokens in each of the 4 samples
-checkpoint_interval = 5000  # 0: only at the last step
+checkpoint_interval = 1000  # 0: only at the last step (and on SIGTERM / too many bad steps)
+keep_checkpoints = 3  # the newest N checkpoints are kept, older ones deleted; 0 keeps all
+resume = "auto"  # "auto": continue from the newest valid checkpoint in log_dir, if any; "never": refuse one
+max_bad_steps = 5  # non-finite loss or grad norm: skip the update; stop after this many in a row
 hellaswag = True  # HellaSwag acc_norm at every eval (all ranks share the 10,042 val examples)
 hellaswag_file = ""  # a HellaSwag jsonl file; "" = the val split, downloaded once into ./hellaswag/
 # system
@@ -129,6 +138,10 @@ def check_config(c):
                 'checkpoint_interval'):
         if c[key] < 0:
             raise UserError(f"config key {key!r} must be >= 0, got {c[key]}")
+    if c['keep_checkpoints'] < 0 or c['max_bad_steps'] < 1:
+        raise UserError(f"keep_checkpoints must be >= 0 and max_bad_steps >= 1, got {c['keep_checkpoints']} and {c['max_bad_steps']}")
+    if c['resume'] not in ('auto', 'never'):
+        raise UserError(f"config key 'resume' must be 'auto' or 'never', got {c['resume']!r}")
     if c['n_embd'] % c['n_head']:
         raise UserError(f"n_embd={c['n_embd']} must be a multiple of n_head={c['n_head']}")
     if c['dtype'] not in ('bfloat16', 'float32'):
@@ -209,6 +222,25 @@ class DataLoaderLite:
         self.shard, self.pos, self.micro = 0, 0, 0
         self.tokens = open_shard(self.shards[0])
 
+    def state(self):
+        """The global position, at a step boundary: the same on every rank, for any world size."""
+        return {'shard': self.shard, 'pos': self.pos, 'file': os.path.basename(self.shards[self.shard])}
+
+    def load_state(self, state, source):
+        name = os.path.basename(self.shards[state['shard']]) if state['shard'] < len(self.shards) else None
+        if name != state['file']:
+            raise UserError(f"{source} was reading train shard {state['file']!r} (number {state['shard']}), but "
+                            f"that shard of data_root is {name!r}: resume with the same data_root")
+        self.shard, self.pos, self.micro = state['shard'], state['pos'], 0
+        self.tokens = open_shard(self.shards[self.shard])
+        self.next_shard_if_short()  # total_batch_size may have grown
+
+    def next_shard_if_short(self):
+        if self.pos + self.step_tokens + 1 > len(self.tokens):  # no whole step left in this shard
+            self.shard = (self.shard + 1) % len(self.shards)
+            self.tokens = open_shard(self.shards[self.shard])
+            self.pos = 0
+
     def next_batch(self):
         B, T = self.B, self.T
         start = self.pos + (self.micro * self.world + self.rank) * B * T
@@ -219,10 +251,7 @@ class DataLoaderLite:
         if self.micro == self.accum:  # this step's run is read: every rank advances alike
             self.micro = 0
             self.pos += self.step_tokens
-            if self.pos + self.step_tokens + 1 > len(self.tokens):
-                self.shard = (self.shard + 1) % len(self.shards)
-                self.tokens = open_shard(self.shards[self.shard])
-                self.pos = 0
+            self.next_shard_if_short()
         return x, y
 
 
@@ -294,7 +323,9 @@ def evaluate(model, tokens, B, T, rank, world, device, dtype):
 # training
 
 def train_step(model, optimizer, loader, grad_accum_steps, lr, grad_clip, device, dtype, world):
-    """One optimizer step over grad_accum_steps micro-batches; returns (mean loss, grad norm)."""
+    """One optimizer step over grad_accum_steps micro-batches; returns (mean loss, grad norm, ok).
+    A non-finite loss or gradient norm skips the update (ok=False): both are all-reduced values,
+    so every rank skips alike."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_accum = torch.zeros((), device=device)
@@ -312,10 +343,218 @@ def train_step(model, optimizer, loader, grad_accum_steps, lr, grad_clip, device
         dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG
         loss_accum /= world
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
-    for group in optimizer.param_groups:
-        group['lr'] = lr
-    optimizer.step()
-    return loss_accum, norm
+    ok = bool(torch.isfinite(loss_accum) & torch.isfinite(norm))  # waits for the device
+    if ok:
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+        optimizer.step()
+    return loss_accum, norm, ok
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: everything a run needs to continue exactly, written by rank 0, read by every rank
+
+CHECKPOINT_NAME = re.compile(r'model_(\d+)\.pt')
+RESUME_KEYS = ('model', 'optimizer', 'config', 'train_config', 'step', 'evaluated', 'loader', 'rng', 'bad_steps',
+               'checksum')
+EXIT_PREEMPTED = 75  # SIGTERM: checkpoint written, run the same command again (EX_TEMPFAIL: "try again")
+stop_requested = False  # set by SIGTERM; the ranks agree on it after every step
+
+
+def on_sigterm(signum, frame):
+    global stop_requested
+    stop_requested = True  # finish the step in flight, then checkpoint and exit
+
+
+def any_rank(flag, world, device):
+    """True on every rank when flag is True on any: decisions that all ranks must take together."""
+    if world == 1:
+        return flag
+    t = torch.tensor(int(flag), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def checksum(obj):
+    """The sum of every tensor in obj (nested) read as integers: a byte of a checkpoint flipped or
+    zeroed on disk changes it (torch.load checks no CRC: such a file loads without complaint)."""
+    if torch.is_tensor(obj):
+        t = obj.detach().contiguous().view(-1)
+        return t.view(torch.int32 if t.element_size() == 4 else torch.uint8).sum(dtype=torch.int64).item()
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    return sum(checksum(v) for v in obj) % 2 ** 62 if isinstance(obj, (list, tuple)) else 0
+
+
+def list_checkpoints(log_dir):
+    """[(step, path)] of the model_NNNNN.pt files in log_dir, newest first."""
+    names = os.listdir(log_dir) if os.path.isdir(log_dir) else []
+    found = [(int(m.group(1)), os.path.join(log_dir, n)) for n in names if (m := CHECKPOINT_NAME.fullmatch(n))]
+    return sorted(found, reverse=True)
+
+
+def read_checkpoint(path):
+    """The checkpoint at path, checked for what resuming needs; ValueError says what is wrong.
+    Tensors stay memory-mapped (read once for the checksum); their shapes are checked against a
+    model and an optimizer built on the meta device (no memory) from the checkpoint's own config."""
+    try:
+        try:
+            ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)  # no pickled code runs
+        except pickle.UnpicklingError as e:  # torch's advice (weights_only=False) is the one not to take
+            why = [line for line in str(e).splitlines() if 'GLOBAL' in line or 'Unsupported' in line]
+            raise ValueError(f"it holds pickled objects that a weights-only load refuses ({' '.join(why) or e})") from None
+        missing = [k for k in RESUME_KEYS if k not in ckpt]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}: not a checkpoint this trainer can resume from")
+        if checksum([v for k, v in ckpt.items() if k != 'checksum']) != ckpt['checksum']:
+            raise ValueError("the tensors do not match the checksum written with them: the file is corrupt")
+        with torch.device('meta'):
+            model = GPT(GPTConfig(**ckpt['config']))
+        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        have = {k: tuple(v.shape) for k, v in ckpt['model'].items()}
+        if have != want:
+            k = next(k for k in sorted(want.keys() | have.keys()) if want.get(k) != have.get(k))
+            raise ValueError(f"'model' does not match its config {ckpt['config']}: {k} is {have.get(k)}, expected {want.get(k)}")
+        optimizer = model.configure_optimizers(0.0, 0.0, 'cpu')
+        optimizer.load_state_dict(ckpt['optimizer'])  # group and parameter counts
+        for p, state in optimizer.state.items():
+            if state['exp_avg'].shape != p.shape or state['exp_avg_sq'].shape != p.shape:
+                raise ValueError(f"'optimizer' state of shape {tuple(state['exp_avg'].shape)} for a parameter of shape {tuple(p.shape)}")
+        return ckpt
+    except ValueError:
+        raise
+    except Exception as e:  # truncated, not a zip, wrong keys or shapes
+        raise ValueError(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+
+
+def pick_checkpoint(log_dir):
+    """Rank 0: (step, path, checkpoint) of the newest checkpoint that loads, or (-1, None, None)
+    when log_dir holds none. Newer ones that do not load are reported and renamed aside (*.bad),
+    out of the way of the next resume and of keep_checkpoints."""
+    bad = []
+    for step, path in list_checkpoints(log_dir):
+        try:
+            ckpt = read_checkpoint(path)
+        except ValueError as e:
+            print(f"warning: cannot resume from {path}: {e}")
+            bad.append(path)
+            continue
+        for p in bad:
+            os.replace(p, p + '.bad')
+            print(f"warning: renamed {p} to {p}.bad; resuming from the previous checkpoint, {path}")
+        return step, path, ckpt
+    if bad:
+        raise UserError(f"{log_dir!r} holds checkpoints but none can be resumed from (see above): move them "
+                        f"away to start afresh, or point log_dir elsewhere")
+    return -1, None, None
+
+
+def find_checkpoint(log_dir, rank, world, device):
+    """(path, checkpoint) to resume from, the same on every rank, or (None, None) for a fresh run.
+    Rank 0 chooses; the other ranks read the same file (log_dir must be on a filesystem they share)."""
+    step, path, ckpt, error = -1, None, None, None
+    if rank == 0:
+        try:
+            step, path, ckpt = pick_checkpoint(log_dir)
+        except UserError as e:
+            error = str(e)
+    failed = error is not None
+    if world > 1:
+        t = torch.tensor(-2 if failed else step, device=device)
+        dist.broadcast(t, 0)
+        step = t.item()
+        if rank > 0 and step >= 0:
+            path = os.path.join(log_dir, f"model_{step:05d}.pt")
+            try:
+                ckpt = read_checkpoint(path)
+            except ValueError as e:
+                print(f"error: rank {rank} cannot read {path}: {e}", file=sys.stderr)
+                failed = True
+        failed = any_rank(failed or step == -2, world, device)
+    if failed:
+        raise UserError(error or f"another rank could not read {path}: log_dir must be on a filesystem that every node sees")
+    return path, ckpt
+
+
+def rng_state(device):
+    """Every random generator's state (the same on every rank: all are seeded and used alike)."""
+    np_state = np.random.get_state()
+    state = {'torch': torch.get_rng_state(), 'python': random.getstate(),
+             'numpy': (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:])}
+    if torch.device(device).type == 'cuda':
+        state['cuda'] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device):
+    torch.set_rng_state(state['torch'])
+    random.setstate(state['python'])
+    name, keys, *rest = state['numpy']
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if torch.device(device).type == 'cuda' and 'cuda' in state:
+        torch.cuda.set_rng_state(state['cuda'], device)
+
+
+def trim_lines(path, keep):
+    """Rewrite path (atomically) with only its whole lines for which keep(line) is True: what a
+    crashed run wrote after its last checkpoint is dropped, and the resumed run writes it again."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.endswith('\n') and keep(line)]  # a line cut by a crash has no '\n'
+    atomic_write(path, lambda f: f.write(''.join(lines).encode()))
+
+
+def line_step(line, field=0):
+    try:
+        return int(line.split()[field])
+    except (ValueError, IndexError):
+        return None
+
+
+def torch_save(obj, f):
+    """torch.save into the open file f. A failed write (no space, a quota) raises its OSError:
+    torch.save itself would only say 'unexpected pos'."""
+    errors = []
+
+    def write(data):
+        try:
+            return f.write(data)
+        except OSError as e:
+            errors.append(e)
+            raise
+    try:
+        torch.save(obj, types.SimpleNamespace(write=write, flush=f.flush))
+    except RuntimeError:
+        if errors:
+            raise errors[0] from None
+        raise
+
+
+def save_checkpoint(make_state, rank, world, device):
+    """Rank 0 writes log_dir/model_{step:05d}.pt atomically, then deletes the checkpoints beyond
+    the newest keep_checkpoints. Every rank learns whether it worked: a failed write (a full
+    disk) stops the run, with the earlier checkpoints untouched."""
+    error = None
+    if rank == 0:
+        ckpt = make_state()
+        ckpt['checksum'] = checksum(list(ckpt.values()))
+        path = os.path.join(log_dir, f"model_{ckpt['step']:05d}.pt")
+        for name in ('log.txt', 'samples.txt'):  # the lines the checkpoint vouches for reach the disk first
+            if os.path.exists(os.path.join(log_dir, name)):
+                with open(os.path.join(log_dir, name), 'a') as f:
+                    os.fsync(f.fileno())
+        try:  # temporary file, fsync, rename: a checkpoint is whole or absent
+            atomic_write(path, lambda f: torch_save(ckpt, f))
+        except (OSError, RuntimeError) as e:  # the OS's reason (torch_save), or torch.save's own failure
+            error = (f"could not write the checkpoint {path} ({e}); "
+                     f"the earlier checkpoints are untouched: fix that (free some space, say) and run the same command again to resume")
+        else:
+            older = [p for s, p in list_checkpoints(log_dir) if s < ckpt['step']]
+            for p in older[max(keep_checkpoints - 1, 0):] if keep_checkpoints > 0 else []:
+                os.remove(p)  # only now that a newer one is complete
+    if any_rank(error is not None, world, device):
+        raise UserError(error or "rank 0 could not write a checkpoint")
 
 
 def reuse_freed_memory():
@@ -345,7 +584,16 @@ def setup_device(device, cpu_reuse_memory=False):
         reuse_freed_memory()
     if ddp:
         cuda = device.startswith('cuda')
-        dist.init_process_group(backend='nccl' if cuda else 'gloo', device_id=torch.device(device) if cuda else None)
+        store = None
+        if 'TORCHELASTIC_RESTART_COUNT' in os.environ:
+            # torchrun: a restarted worker group meets in the same store as the group that died
+            # and can read its stale keys (a hang or a failed connect): each attempt gets its own
+            agent_store = os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True'  # else rank 0 hosts it
+            store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world,
+                                  is_master=rank == 0 and not agent_store, timeout=timedelta(minutes=10))
+            store = dist.PrefixStore(f"train_gpt2/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+        dist.init_process_group(backend='nccl' if cuda else 'gloo', store=store, rank=rank, world_size=world,
+                                device_id=torch.device(device) if cuda else None)
     return ddp, rank, local_rank, world, device
 
 
@@ -360,11 +608,11 @@ def main(argv=None):
     except UserError as e:
         sys.exit(f"error: {e}" if master else 1)
     globals().update(config)  # the rest reads the constants, as overridden
+    signal.signal(signal.SIGTERM, on_sigterm)  # preemption: finish the step, checkpoint, exit EXIT_PREEMPTED
     ddp, rank, local_rank, world, dev = setup_device(device, cpu_reuse_memory)
-    ok = False
+    code = None
     try:
-        run(config, rank, world, dev)
-        ok = True
+        code = run(config, rank, world, dev)
     except UserError as e:
         if master:
             print(f"error: {e}", file=sys.stderr)
@@ -372,13 +620,34 @@ def main(argv=None):
     finally:
         if ddp:
             try:
-                if ok:
+                if code is not None:
                     dist.barrier()  # no rank tears down while rank 0 still writes its last checkpoint
             finally:
                 dist.destroy_process_group()
+    if code:
+        sys.exit(code)
+
+
+def resumed_model_config(ckpt, path, config, master):
+    """The checkpoint's model shape, once the config is known not to change it."""
+    old = ckpt['train_config']
+    if old.get('init_from') != config['init_from']:
+        raise UserError(f"{path} continues a run with init_from={old.get('init_from')!r}, but the config says "
+                        f"init_from={config['init_from']!r}: set it back, or point log_dir elsewhere to start afresh")
+    have = ckpt['config']
+    diff = [k for k in have if config['init_from'] == 'scratch' and config[k] != have[k]]
+    if diff:
+        raise UserError(f"{path} holds a model with {', '.join(f'{k}={have[k]}' for k in diff)}, but the "
+                        f"config asks for {', '.join(f'{k}={config[k]}' for k in diff)}: a run resumes only into the "
+                        f"same model shape; set them back, or point log_dir elsewhere to start afresh")
+    changed = [f"{k} {old[k]!r} -> {v!r}" for k, v in config.items() if k in old and old[k] != v]
+    if master and changed:
+        print(f"resuming with changed settings: {', '.join(changed)}")
+    return GPTConfig(**have)
 
 
 def run(config, rank, world, device):
+    """Train; returns the exit code: 0, or EXIT_PREEMPTED after a SIGTERM checkpoint."""
     master = rank == 0
     device_type = torch.device(device).type
     torch.manual_seed(seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
@@ -402,7 +671,16 @@ def run(config, rank, world, device):
     train_loader = DataLoaderLite(B, T, rank, world, 'train', data_root, accum_steps=grad_accum_steps)
     val_data = load_val_tokens(data_root, val_tokens // T * T) if eval_interval > 0 else None
 
-    if init_from == 'scratch':
+    # resume="auto": continue from the newest checkpoint of log_dir that loads (a restarted job
+    # with an unchanged command line resumes by itself); none there: a fresh run
+    if resume == 'never' and list_checkpoints(log_dir):
+        raise UserError(f"{log_dir!r} holds checkpoints of an earlier run ({list_checkpoints(log_dir)[0][1]}) and "
+                        f"resume='never': point log_dir elsewhere, or move them away")
+    ckpt_path, ckpt = find_checkpoint(log_dir, rank, world, device)
+
+    if ckpt is not None:  # the weights come from the checkpoint: nothing to download
+        model = GPT(resumed_model_config(ckpt, ckpt_path, config, master))
+    elif init_from == 'scratch':
         model = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd))
     else:
         try:
@@ -415,6 +693,28 @@ def run(config, rank, world, device):
         raise UserError(f"T={T} is longer than the model's block_size={model.config.block_size}")
     model.to(device)
     raw_model = model  # plain module: state_dict without prefixes, generation, evaluation
+    optimizer = raw_model.configure_optimizers(weight_decay, max_lr, device_type)
+    start, evaluated, bad_steps = 0, False, 0
+    if ckpt is not None:
+        raw_model.load_state_dict(ckpt['model'])
+        decay = [group['weight_decay'] for group in optimizer.param_groups]
+        optimizer.load_state_dict(ckpt['optimizer'])
+        for group, wd in zip(optimizer.param_groups, decay):
+            group['weight_decay'] = wd  # the config's, should it have changed
+        for st in optimizer.state.values():  # on CPU these would alias the checkpoint's memory map
+            st.update({k: v.clone() for k, v in st.items() if torch.is_tensor(v) and v.device.type == 'cpu'})
+        train_loader.load_state(ckpt['loader'], ckpt_path)
+        set_rng_state(ckpt['rng'], device)
+        start, evaluated, bad_steps = ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
+        del ckpt  # the memory map
+        if master:
+            print(f"resuming from {ckpt_path}: step {start}, train data at {train_loader.state()['file']} "
+                  f"token {train_loader.pos:,}")
+        if start > max_steps or (start == max_steps and evaluated):
+            if master:
+                print(f"nothing to do: {ckpt_path} is step {start} and max_steps={max_steps}; raise max_steps to "
+                      f"train on, or point log_dir elsewhere to start afresh")
+            return 0
     if master:
         print(f"parameters: {sum(p.numel() for p in raw_model.parameters()):,}")
     if compile:
@@ -422,26 +722,38 @@ def run(config, rank, world, device):
     eval_model = model  # not DDP-wrapped: ranks may run different numbers of eval batches
     if world > 1:
         model = DDP(model, device_ids=[torch.device(device).index] if device_type == 'cuda' else None)
-    optimizer = raw_model.configure_optimizers(weight_decay, max_lr, device_type)
     hella_data = load_hellaswag(hellaswag_file, raw_model, rank, world, device) if hellaswag and eval_interval > 0 else None
 
     log_file = os.path.join(log_dir, 'log.txt')
     if master:
         os.makedirs(log_dir, exist_ok=True)
-        open(log_file, 'w').close()  # a fresh run starts a fresh log
+        for tmp in glob.glob(os.path.join(glob.escape(log_dir), 'model_*.pt.tmp*')):
+            os.remove(tmp)  # a checkpoint write that a crash cut short
+        # drop the lines a crashed run wrote after the checkpoint (all of them for a fresh run):
+        # no step is logged twice; the val/hella lines of the checkpoint's own step stay when it has them
+        trim_lines(log_file, lambda line: line_step(line) is not None and (line_step(line) < start or (
+            line_step(line) == start and evaluated and line.split()[1:2] in (['val'], ['hella']))))
+        trim_lines(os.path.join(log_dir, 'samples.txt'), lambda line: line_step(line, 1) is not None and (
+            line_step(line, 1) < start or (line_step(line, 1) == start and evaluated)))
 
     def log(line):
         with open(log_file, 'a') as f:
             f.write(line + '\n')
 
+    def checkpoint_state(step, val_loss, evaluated):  # rank 0; 'model', 'config', 'step', 'val_loss' as build-nanogpt's
+        return {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'config': asdict(raw_model.config),
+                'train_config': config, 'step': step, 'val_loss': val_loss, 'evaluated': evaluated,
+                'loader': train_loader.state(), 'rng': rng_state(device), 'bad_steps': bad_steps}
+
     # step = number of optimizer updates done: eval, sample and checkpoint the model as it is
     # after `step` updates, then (unless it is the last) take the update step -> step + 1
-    for step in range(max_steps + 1):
+    for step in range(start, max_steps + 1):
         last_step = step == max_steps
         checkpoint = last_step or (checkpoint_interval > 0 and step > 0 and step % checkpoint_interval == 0)
+        done = step == start and evaluated  # resumed from a checkpoint that did this step's evals
         val_loss = None
-        if eval_interval > 0 and (step % eval_interval == 0 or last_step or checkpoint):  # a checkpoint has its own
-            val_loss = evaluate(eval_model, val_data, B, T, rank, world, device, dtype)
+        if not done and eval_interval > 0 and (step % eval_interval == 0 or last_step or checkpoint):
+            val_loss = evaluate(eval_model, val_data, B, T, rank, world, device, dtype)  # a checkpoint has its own
             if master:
                 print(f"step {step:5d} | val loss {val_loss:.4f}")
                 log(f"{step} val {val_loss:.4f}")
@@ -455,26 +767,42 @@ def run(config, rank, world, device):
                     print(f"step {step:5d} | hellaswag acc_norm {correct_norm}/{n} = {correct_norm / n:.4f} "
                           f"(acc {correct / n:.4f})")
                     log(f"{step} hella {correct_norm / n:.4f}")
-        if master and sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step):
+        if not done and master and sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step):
             sample(raw_model, step, device)
-        if master and checkpoint:  # 'config' is the model's, as build-nanogpt's checkpoints
-            ckpt = {'model': raw_model.state_dict(), 'config': asdict(raw_model.config),
-                    'train_config': config, 'step': step, 'val_loss': val_loss}
-            # temporary file, fsync, rename: a checkpoint is whole or absent
-            atomic_write(os.path.join(log_dir, f"model_{step:05d}.pt"), lambda f: torch.save(ckpt, f))
+        if not done and checkpoint:
+            save_checkpoint(lambda: checkpoint_state(step, val_loss, True), rank, world, device)
         if last_step:
             break
 
         t0 = time.time()
         lr = get_lr(step, max_lr, min_lr, warmup_steps, max_steps)
-        loss, norm = train_step(model, optimizer, train_loader, grad_accum_steps, lr, grad_clip, device, dtype, world)
-        loss = loss.item()  # waits for the device
+        loss, norm, ok = train_step(model, optimizer, train_loader, grad_accum_steps, lr, grad_clip, device, dtype, world)
+        loss = loss.item()
         dt = time.time() - t0
+        bad_steps = 0 if ok else bad_steps + 1
         if master:
             tok_per_sec = total_batch_size / dt
             print(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm.item():.4f} | "
-                  f"dt {dt * 1000:.2f}ms | tok/sec {tok_per_sec:.2f}")
+                  f"dt {dt * 1000:.2f}ms | tok/sec {tok_per_sec:.2f}" +
+                  ("" if ok else f" | non-finite: update skipped ({bad_steps} in a row, max_bad_steps={max_bad_steps})"))
             log(f"{step} train {loss:.6f}")
+            if not ok:
+                log(f"{step} skip {bad_steps}")
+
+        # stop early, with a checkpoint of the state after this step: SIGTERM on any rank
+        # (preemption), or too many non-finite steps (the weights are the last good update's)
+        if bad_steps >= max_bad_steps or any_rank(stop_requested, world, device):
+            save_checkpoint(lambda: checkpoint_state(step + 1, None, False), rank, world, device)
+            path = os.path.join(log_dir, f"model_{step + 1:05d}.pt")
+            if bad_steps >= max_bad_steps:
+                raise UserError(f"stopped after {bad_steps} steps in a row with a non-finite loss or gradient norm "
+                                f"(max_bad_steps={max_bad_steps}); {path} holds the last good weights, and resuming "
+                                f"continues after the skipped batches: lower max_lr, or check the data")
+            if master:
+                print(f"SIGTERM: stopped after step {step}; wrote {path}; run the same command again to resume "
+                      f"(exit code {EXIT_PREEMPTED})")
+            return EXIT_PREEMPTED
+    return 0
 
 
 def sample(model, step, device):

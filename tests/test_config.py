@@ -17,6 +17,8 @@ def test_defaults_are_build_nanogpts_run():
     assert (d["total_batch_size"], d["B"], d["T"], d["max_steps"], d["warmup_steps"]) == (524288, 64, 1024, 19073, 715)
     assert (d["max_lr"], d["min_lr"], d["weight_decay"], d["grad_clip"], d["seed"]) == (6e-4, 6e-5, 0.1, 1.0, 1337)
     assert (d["init_from"], d["device"], d["dtype"], d["eval_interval"]) == ("scratch", "auto", "bfloat16", 250)
+    # a restarted job resumes by itself; a checkpoint is an eval step
+    assert (d["resume"], d["checkpoint_interval"] % d["eval_interval"]) == ("auto", 0)
 
 
 def test_overrides_parse_as_literals_and_keep_types(tmp_path):
@@ -43,6 +45,9 @@ def test_overrides_parse_as_literals_and_keep_types(tmp_path):
     (["--n_head=5"], r"n_embd=768 must be a multiple of n_head=5"),
     (["--dtype=float16"], r"config key 'dtype' must be 'bfloat16' or 'float32', got 'float16'"),
     (["--device=gpu"], r"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got 'gpu'"),
+    (["--resume=yes"], r"config key 'resume' must be 'auto' or 'never', got 'yes'"),
+    (["--keep_checkpoints=-1"], r"keep_checkpoints must be >= 0 and max_bad_steps >= 1, got -1 and 5"),
+    (["--max_bad_steps=0"], r"keep_checkpoints must be >= 0 and max_bad_steps >= 1, got 3 and 0"),
 ])
 def test_bad_overrides(argv, message):
     with pytest.raises(UserError, match=message):

@@ -95,3 +95,24 @@ def test_val_tokens_span_shards_and_errors(tmp_path):
     assert load_val_tokens(str(tmp_path), 14).tolist() == list(range(10)) + list(range(100, 105))
     with pytest.raises(UserError, match=r"val split in .* has 20 tokens, fewer than val_tokens \+ 1 = 21"):
         load_val_tokens(str(tmp_path), 20)
+
+
+def test_loader_state_resumes_any_world_size(tmp_path):
+    """state() after some steps on 2 ranks, load_state() into 1 rank with double accumulation: the
+    next global batches are the ones the uninterrupted 1-rank loader reads. A shard that is not the
+    one the state names is refused."""
+    make_shards(tmp_path, [5 * 16 + 3, 4 * 16 + 1, 3 * 16 + 7])
+    two = [DataLoaderLite(B, T, r, 2, "train", str(tmp_path), accum_steps=1) for r in range(2)]
+    one = DataLoaderLite(B, T, 0, 1, "train", str(tmp_path), accum_steps=2)
+    for _ in range(6):  # into the second shard
+        for loader in two:
+            loader.next_batch()
+        one.next_batch(), one.next_batch()
+    assert two[0].state() == two[1].state() == one.state() == {"shard": 1, "pos": 16, "file": "edufineweb_train_000001.npy"}
+    resumed = DataLoaderLite(B, T, 0, 1, "train", str(tmp_path), accum_steps=2)
+    resumed.load_state(two[0].state(), "model_00006.pt")
+    for _ in range(2 * 9):  # and around the wrap
+        assert all(torch.equal(a, b) for a, b in zip(resumed.next_batch(), one.next_batch()))
+    with pytest.raises(UserError, match=r"model_00006.pt was reading train shard 'other_train_000001.npy' \(number 1\), "
+                                        r"but that shard of data_root is 'edufineweb_train_000001.npy'"):
+        resumed.load_state({"shard": 1, "pos": 16, "file": "other_train_000001.npy"}, "model_00006.pt")

@@ -1,0 +1,400 @@
+"""Exact resume, preemption and node failure, with real processes: a run stopped any way and
+started again with the same command ends with the same log and the same weights as a run that
+was never stopped."""
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, TINY, read_log, run_script, write_shards
+from train_gpt2 import RESUME_KEYS
+
+MAX_STEPS = 120
+COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=256", f"--max_steps={MAX_STEPS}",
+          "--eval_interval=20", "--val_tokens=256", "--sample_interval=0", "--checkpoint_interval=20",
+          "--hellaswag=False", "--keep_checkpoints=0",
+          "--max_lr=1e-3", "--min_lr=1e-4"]  # small lr: 1 vs 2 processes agree to 1e-5 (see test_train)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Shards that a 256-token step leaves mid-way: the runs change shard and wrap around."""
+    rng = np.random.default_rng(0)
+    folder = tmp_path_factory.mktemp("data")
+    write_shards(folder, "val", [rng.integers(0, 512, 600)])
+    write_shards(folder, "train", [rng.integers(0, 512, 256 * 7 + 50), rng.integers(0, 512, 256 * 5 + 8)])
+    return folder
+
+
+def args(data, log_dir, *extra):
+    return [*COMMON, f"--data_root={data}", f"--log_dir={log_dir}", *extra]
+
+
+@pytest.fixture(scope="module")
+def one(data, tmp_path_factory):
+    """An uninterrupted 1-process run (keeps all its checkpoints)."""
+    log_dir = tmp_path_factory.mktemp("one")
+    r = run_script(args(data, log_dir))
+    assert r.returncode == 0, r.stderr
+    return log_dir
+
+
+@pytest.fixture(scope="module")
+def two(data, tmp_path_factory):
+    """An uninterrupted 2-process torchrun run."""
+    log_dir = tmp_path_factory.mktemp("two")
+    r = run_script(args(data, log_dir), nproc=2)
+    assert r.returncode == 0, r.stderr
+    return log_dir
+
+
+def start(cmd_args, nproc=None, torchrun_args=(), **kw):
+    """The command of run_script, in the background, in its own process group."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "train_gpt2.py"] if nproc is None else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
+        "train_gpt2.py"]
+    return subprocess.Popen([*cmd, *cmd_args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, **kw)
+
+
+def wait_for_step(log_dir, step, proc, timeout=120):
+    """Until log.txt has a train line for step (the checkpoint before it is on disk by then)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            if f"\n{step} train " in "\n" + (log_dir / "log.txt").read_text():
+                return
+        except FileNotFoundError:
+            pass
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.005)
+    raise AssertionError(f"no step {step} in {timeout} s")
+
+
+def state(log_dir, step=MAX_STEPS):
+    return torch.load(log_dir / f"model_{step:05d}.pt", map_location="cpu", weights_only=True)
+
+
+def assert_same(a, b, tol=0.0):
+    """Same weights and AdamW moments: bit for bit when tol is 0."""
+    assert a["model"].keys() == b["model"].keys()
+    pairs = [(k, a["model"][k], b["model"][k]) for k in a["model"]]
+    for i, s in a["optimizer"]["state"].items():
+        pairs += [(f"optimizer {i} {m}", s[m], b["optimizer"]["state"][i][m]) for m in ("exp_avg", "exp_avg_sq", "step")]
+    for name, x, y in pairs:
+        if tol == 0:
+            assert torch.equal(x, y), name
+        else:
+            assert (x - y).abs().max().item() <= tol, (name, (x - y).abs().max().item())
+
+
+def assert_log_complete(log_dir):
+    """Every step once, in order: no line the crashed run wrote after its checkpoint survives."""
+    lines = (log_dir / "log.txt").read_text().splitlines()
+    train = [int(line.split()[0]) for line in lines if line.split()[1] == "train"]
+    val = [int(line.split()[0]) for line in lines if line.split()[1] == "val"]
+    assert train == list(range(MAX_STEPS)) and val == list(range(0, MAX_STEPS + 1, 20)), lines
+
+
+def copy_checkpoint(src, dst, step, log_lines=None):
+    """dst as a run that crashed after writing checkpoint step: that checkpoint, and log.txt with
+    the lines written after it too, the last one cut short."""
+    dst.mkdir()
+    shutil.copy(src / f"model_{step:05d}.pt", dst)
+    text = (src / "log.txt").read_text()
+    (dst / "log.txt").write_text(text[:len(text) * 3 // 4] if log_lines is None else log_lines)
+
+
+def test_checkpoint_holds_everything_and_loads_weights_only(one):
+    ckpts = sorted(p.name for p in one.glob("model_*.pt"))
+    assert ckpts == [f"model_{s:05d}.pt" for s in range(20, MAX_STEPS + 1, 20)]
+    for name in ckpts:
+        ckpt = torch.load(one / name, weights_only=True)  # plain tensors and containers only
+        assert set(RESUME_KEYS) <= ckpt.keys() and {"val_loss"} <= ckpt.keys()
+        assert ckpt["evaluated"] and ckpt["val_loss"] == pytest.approx(read_log(one)["val"][ckpt["step"]], abs=5e-5)
+        assert set(ckpt["rng"]) == {"torch", "python", "numpy"}  # and "cuda" on a GPU
+        assert ckpt["loader"]["file"].startswith("edufineweb_train_") and ckpt["bad_steps"] == 0
+        assert len(ckpt["optimizer"]["state"]) == len(ckpt["model"]) - 1  # lm_head is tied to wte
+    # the loader position is global: the same after step 20 for 1 and for 2 processes
+    # 12 steps per pass over the shards (7 + 5), so step 20 is the second step of shard 1
+    assert torch.load(one / "model_00020.pt", weights_only=True)["loader"] == {"shard": 1, "pos": 256,
+                                                                               "file": "edufineweb_train_000001.npy"}
+
+
+@pytest.mark.parametrize("step", [20, 60])
+def test_resume_from_a_checkpoint_is_bit_identical(one, data, tmp_path, step):
+    """A run stopped at a checkpoint and run again: the same log.txt, byte for byte, and the same
+    weights and optimizer state, bit for bit."""
+    copy_checkpoint(one, tmp_path / "resumed", step)
+    r = run_script(args(data, tmp_path / "resumed"))
+    assert r.returncode == 0, r.stderr
+    assert f"resuming from {tmp_path / 'resumed' / f'model_{step:05d}.pt'}: step {step}" in r.stdout
+    assert f"step {step:5d} | val loss" not in r.stdout  # the checkpoint's own evals are not run again
+    assert (tmp_path / "resumed" / "log.txt").read_text() == (one / "log.txt").read_text()
+    assert_same(state(one), state(tmp_path / "resumed"))
+
+
+def test_kill9_of_torchrun_then_the_same_command(two, data, tmp_path):
+    """kill -9 of torchrun and both workers after the first checkpoint; the same command again
+    resumes and ends as the uninterrupted run did."""
+    log_dir = tmp_path / "log"
+    p = start(args(data, log_dir), nproc=2)
+    wait_for_step(log_dir, 24, p)  # checkpoint 20 is written, and 4 more steps are logged
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    assert not (log_dir / f"model_{MAX_STEPS:05d}.pt").exists()
+    r = run_script(args(data, log_dir), nproc=2)
+    assert r.returncode == 0, r.stderr
+    assert "resuming from" in r.stdout
+    assert_log_complete(log_dir)
+    assert read_log(log_dir) == read_log(two)
+    assert_same(state(two), state(log_dir))
+
+
+def test_torchrun_max_restarts_recovers_from_a_dead_worker(two, data, tmp_path):
+    """torchrun --max-restarts=1, rank 1 killed mid-run: the group restarts (each attempt in its
+    own rendezvous keys), resumes from the checkpoint and finishes as if nothing happened."""
+    log_dir = tmp_path / "log"
+    p = start(args(data, log_dir), nproc=2, torchrun_args=["--max-restarts=1"])
+    wait_for_step(log_dir, 24, p)
+    workers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent(pid) == p.pid]
+    rank1 = [pid for pid in workers if b"\0RANK=1\0" in b"\0" + open(f"/proc/{pid}/environ", "rb").read()]
+    assert len(rank1) == 1, workers
+    os.kill(rank1[0], signal.SIGKILL)
+    try:
+        out, _ = p.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError("the restarted group hung")
+    assert p.returncode == 0, out
+    assert out.count("resuming from") == 1, out
+    assert_log_complete(log_dir)
+    assert read_log(log_dir) == read_log(two)
+    assert_same(state(two), state(log_dir))
+
+
+def _parent(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def test_sigterm_checkpoints_the_current_step_and_exits_75(one, two, data, tmp_path):
+    """SIGTERM (a scheduler's preemption): the step in flight finishes, a checkpoint of it is
+    written, the process exits with 75; the same command resumes exactly. Once for one process,
+    once for torchrun with the signal sent to its whole process group, as SLURM does."""
+    log_dir = tmp_path / "one"
+    p = start(args(data, log_dir))
+    wait_for_step(log_dir, 22, p)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 75, out
+    stopped = int(re.search(r"SIGTERM: stopped after step (\d+); wrote ", out).group(1)) + 1
+    assert f"wrote {log_dir / f'model_{stopped:05d}.pt'}; run the same command again to resume (exit code 75)" in out
+    assert 22 < stopped < MAX_STEPS and f"{stopped - 1} train" in (log_dir / "log.txt").read_text()
+    ckpt = state(log_dir, stopped)
+    assert ckpt["step"] == stopped and not ckpt["evaluated"] and ckpt["val_loss"] is None  # no time for evals
+    r = run_script(args(data, log_dir))
+    assert r.returncode == 0, r.stderr
+    assert f"resuming from {log_dir / f'model_{stopped:05d}.pt'}: step {stopped}" in r.stdout
+    assert (log_dir / "log.txt").read_text() == (one / "log.txt").read_text()
+    assert_same(state(one), state(log_dir))
+
+    log_dir = tmp_path / "two"
+    p = start(args(data, log_dir), nproc=2)
+    wait_for_step(log_dir, 22, p)
+    os.killpg(p.pid, signal.SIGTERM)  # torchrun passes it on to the workers and waits for them
+    out, _ = p.communicate(timeout=60)
+    assert "run the same command again to resume (exit code 75)" in out, out
+    r = run_script(args(data, log_dir), nproc=2)
+    assert r.returncode == 0, r.stderr
+    assert_log_complete(log_dir)
+    assert_same(state(two), state(log_dir))
+
+
+def test_elastic_two_processes_then_one(one, two, data, tmp_path):
+    """The first half on 2 processes (accumulation 4), the second on 1 (accumulation 8): the same
+    global batches in the same order, so the losses and weights of the 1-process run."""
+    copy_checkpoint(two, tmp_path / "log", 60, log_lines="".join(
+        line for line in (two / "log.txt").read_text().splitlines(keepends=True) if int(line.split()[0]) <= 60))
+    r = run_script(args(data, tmp_path / "log"))
+    assert r.returncode == 0, r.stderr
+    assert "grad_accum_steps=8" in r.stdout and "resuming from" in r.stdout
+    a, b = read_log(one), read_log(tmp_path / "log")
+    assert sorted(b["train"]) == list(range(MAX_STEPS))
+    for step in range(MAX_STEPS):
+        assert abs(a["train"][step] - b["train"][step]) <= 1e-5, step
+    assert_same(state(one), state(tmp_path / "log"), tol=1e-5)
+
+
+def test_unloadable_newest_checkpoint_falls_back(one, data, tmp_path):
+    """The newest checkpoints: one truncated, one with a flipped bit in a weight (torch.load
+    alone would take it), one a pickle that would run code. Each is reported with its path and
+    renamed aside, the run resumes from the one before, and nothing the pickle asked for ran."""
+    log_dir = tmp_path / "log"
+    copy_checkpoint(one, log_dir, 40)
+    shutil.copy(one / "model_00060.pt", log_dir)
+    with open(log_dir / "model_00060.pt", "r+b") as f:
+        f.truncate(os.path.getsize(log_dir / "model_00060.pt") // 2)
+    shutil.copy(one / "model_00080.pt", log_dir)
+    weight = state(one, 80)["model"]["transformer.h.1.mlp.c_fc.weight"]
+    raw = bytearray((log_dir / "model_00080.pt").read_bytes())
+    at = raw.find(weight.numpy().tobytes()[:64]) + 1000
+    assert at > 1000
+    raw[at] ^= 0x10
+    (log_dir / "model_00080.pt").write_bytes(bytes(raw))
+    flipped = torch.load(log_dir / "model_00080.pt", weights_only=True)["model"]["transformer.h.1.mlp.c_fc.weight"]
+    assert not torch.equal(flipped, weight)  # loads, wrong
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    torch.save({"model": Evil()}, log_dir / "model_00100.pt")  # the zip format of a real checkpoint
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(log_dir / "model_00100.pt", weights_only=True)
+
+    r = run_script(args(data, log_dir))
+    assert r.returncode == 0, r.stderr
+    for step in (60, 80, 100):
+        path = log_dir / f"model_{step:05d}.pt"
+        assert f"warning: cannot resume from {path}: " in r.stdout
+        assert f"renamed {path} to {path}.bad" in r.stdout
+    assert "the tensors do not match the checksum written with them: the file is corrupt" in r.stdout
+    assert "it holds pickled objects that a weights-only load refuses (Trying to load unsupported GLOBAL posix.system" in r.stdout
+    assert f"resuming from {log_dir / 'model_00040.pt'}: step 40" in r.stdout
+    assert not marker.exists()
+    assert (log_dir / "log.txt").read_text() == (one / "log.txt").read_text()
+    assert_same(state(one), state(log_dir))
+    assert (log_dir / "model_00060.pt").exists()  # written again by the resumed run
+    assert all((log_dir / f"model_{s:05d}.pt.bad").exists() for s in (60, 80, 100))
+
+
+def test_no_loadable_checkpoint_is_an_error(data, tmp_path):
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    (log_dir / "model_00010.pt").write_bytes(b"\0" * 1000)
+    r = run_script(args(data, log_dir))
+    assert r.returncode == 1
+    assert f"warning: cannot resume from {log_dir / 'model_00010.pt'}: " in r.stdout
+    assert f"error: {str(log_dir)!r} holds checkpoints but none can be resumed from" in r.stderr
+    assert os.listdir(log_dir) == ["model_00010.pt"]  # nothing renamed, nothing written
+
+
+def test_config_against_the_checkpoint(one, data, tmp_path):
+    """A model-shape change is refused naming the keys; other changes are allowed and printed; a
+    finished run has nothing to do; resume='never' refuses a folder with checkpoints."""
+    log_dir = tmp_path / "log"
+    copy_checkpoint(one, log_dir, 40)
+    before = sorted(os.listdir(log_dir)), (log_dir / "log.txt").read_text()
+    r = run_script(args(data, log_dir, "--n_layer=3", "--n_embd=64"))
+    assert r.returncode == 1
+    assert (f"error: {log_dir / 'model_00040.pt'} holds a model with n_layer=2, n_embd=32, but the config asks for "
+            f"n_layer=3, n_embd=64") in r.stderr
+    r = run_script(args(data, log_dir, "--resume=never"))
+    assert r.returncode == 1 and "resume='never'" in r.stderr
+    assert (sorted(os.listdir(log_dir)), (log_dir / "log.txt").read_text()) == before  # untouched
+
+    r = run_script(args(data, log_dir, "--max_steps=42", "--max_lr=2e-3"))
+    assert r.returncode == 0, r.stderr
+    assert "resuming with changed settings: " in r.stdout and "max_lr 0.001 -> 0.002, max_steps 120 -> 42" in r.stdout
+    assert sorted(read_log(log_dir)["train"]) == list(range(42))
+    r = run_script(args(data, log_dir, "--max_steps=42"))
+    assert r.returncode == 0 and "| loss" not in r.stdout
+    assert f"nothing to do: {log_dir / 'model_00042.pt'} is step 42 and max_steps=42" in r.stdout
+
+
+INJECT = """
+import sys, torch, train_gpt2
+bad, calls = {bad}, [0]
+step = train_gpt2.train_step
+def poisoned(model, *a, **k):  # a NaN gradient on the chosen calls of train_step
+    hook = next(model.parameters()).register_hook(lambda g: g * float('nan')) if calls[0] in bad else None
+    calls[0] += 1
+    try:
+        return step(model, *a, **k)
+    finally:
+        if hook: hook.remove()
+train_gpt2.train_step = poisoned
+train_gpt2.main(sys.argv[1:])
+"""
+
+
+def inject_nan(bad_steps, cmd_args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", INJECT.format(bad=set(bad_steps)), *cmd_args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_non_finite_step_is_skipped(one, data, tmp_path):
+    """A NaN gradient at step 30: no update (weights and AdamW state as before it), logged, and
+    the run goes on. Steps 30.. all NaN: after max_bad_steps a checkpoint of the last good state
+    and a clear error."""
+    log_dir = tmp_path / "log"
+    r = inject_nan([30], args(data, log_dir, "--max_steps=40", "--checkpoint_interval=1", "--eval_interval=0"))
+    assert r.returncode == 0, r.stderr
+    assert "step    30 | loss " in r.stdout and "non-finite: update skipped (1 in a row, max_bad_steps=5)" in r.stdout
+    log = read_log(log_dir)
+    assert log["skip"] == {30: 1}
+    assert all(np.isfinite(v) for v in log["train"].values()) and sorted(log["train"]) == list(range(40))
+    assert_same(state(log_dir, 30), state(log_dir, 31))  # step 30 changed nothing
+    assert not torch.equal(state(log_dir, 31)["model"]["lm_head.weight"], state(log_dir, 32)["model"]["lm_head.weight"])
+
+    log_dir = tmp_path / "stop"
+    r = inject_nan(range(30, 100), args(data, log_dir, "--max_bad_steps=3"))
+    assert r.returncode == 1
+    assert (f"error: stopped after 3 steps in a row with a non-finite loss or gradient norm (max_bad_steps=3); "
+            f"{log_dir / 'model_00033.pt'} holds the last good weights") in r.stderr
+    assert read_log(log_dir)["skip"] == {30: 1, 31: 2, 32: 3}
+    ckpt = state(log_dir, 33)
+    assert ckpt["bad_steps"] == 3 and not ckpt["evaluated"]
+    # the weights of step 30, the last good update: resume the clean run from its checkpoint 20 to step 30
+    copy_checkpoint(one, tmp_path / "clean", 20)
+    r = run_script(args(data, tmp_path / "clean", "--checkpoint_interval=10"))
+    assert r.returncode == 0, r.stderr
+    assert_same(state(tmp_path / "clean", 30), ckpt)
+
+
+def test_failed_checkpoint_write_keeps_the_earlier_ones(one, data, tmp_path):
+    """A checkpoint write that fails (here: a file size limit, as a full disk) stops the run with
+    the OS's reason; the earlier checkpoint is untouched, no temporary file is left, and the same
+    command then resumes exactly."""
+    import resource
+
+    log_dir = tmp_path / "log"
+    copy_checkpoint(one, log_dir, 20)
+    size = os.path.getsize(log_dir / "model_00020.pt")
+
+    def limit():  # files stop growing at half a checkpoint; SIGXFSZ ignored: the write fails with EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "train_gpt2.py", *args(data, log_dir)], cwd=ROOT, env=env, preexec_fn=limit,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    assert (f"error: could not write the checkpoint {log_dir / 'model_00040.pt'} ([Errno 27] File too large); the "
+            f"earlier checkpoints are untouched") in r.stderr
+    assert sorted(os.listdir(log_dir)) == ["log.txt", "model_00020.pt"]
+    assert_same(state(one, 20), state(log_dir, 20))
+    r = run_script(args(data, log_dir))
+    assert r.returncode == 0, r.stderr
+    assert (log_dir / "log.txt").read_text() == (one / "log.txt").read_text()
+    assert_same(state(one), state(log_dir))
+
+
+def test_keep_checkpoints(data, tmp_path):
+    """Only the newest keep_checkpoints remain, and the older are deleted after the newer is whole."""
+    r = run_script(args(data, tmp_path, "--keep_checkpoints=2", "--max_steps=60", "--checkpoint_interval=10"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.glob("model_*")) == ["model_00050.pt", "model_00060.pt"]
