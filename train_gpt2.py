@@ -299,6 +299,7 @@ def load_hellaswag(file, model, rank, world, device):
     return examples if found.item() else None
 
 
+@torch.no_grad()  # and no graph per batch: each would hold its batch's activations and logits
 def evaluate(model, tokens, B, T, rank, world, device, dtype):
     """Mean loss over the len(tokens) // T sequences of T tokens in tokens, all ranks together.
     Rank r scores the sequences r, r + world, ...: the value does not depend on world."""
@@ -358,7 +359,7 @@ CHECKPOINT_NAME = re.compile(r'model_(\d+)\.pt')
 RESUME_KEYS = ('model', 'optimizer', 'config', 'train_config', 'step', 'evaluated', 'loader', 'rng', 'bad_steps',
                'checksum')
 EXIT_PREEMPTED = 75  # SIGTERM: checkpoint written, run the same command again (EX_TEMPFAIL: "try again")
-stop_requested = False  # set by SIGTERM; the ranks agree on it after every step
+stop_requested = False  # set by SIGTERM; the ranks agree on it at every step boundary
 
 
 def on_sigterm(signum, frame):
@@ -421,8 +422,8 @@ def read_checkpoint(path):
             if state['exp_avg'].shape != p.shape or state['exp_avg_sq'].shape != p.shape:
                 raise ValueError(f"'optimizer' state of shape {tuple(state['exp_avg'].shape)} for a parameter of shape {tuple(p.shape)}")
         return ckpt
-    except ValueError:
-        raise
+    except (ValueError, OSError, MemoryError):
+        raise  # OSError, MemoryError: the file may well be fine (a read error, no memory): no fallback
     except Exception as e:  # truncated, not a zip, wrong keys or shapes
         raise ValueError(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
 
@@ -439,9 +440,13 @@ def pick_checkpoint(log_dir):
             print(f"warning: cannot resume from {path}: {e}")
             bad.append(path)
             continue
+        except (OSError, MemoryError) as e:
+            raise UserError(f"cannot read {path} ({type(e).__name__}: {e}); that is no proof the checkpoint is bad, so "
+                            f"nothing falls back: fix the cause and run again") from None
         for p in bad:
-            os.replace(p, p + '.bad')
-            print(f"warning: renamed {p} to {p}.bad; resuming from the previous checkpoint, {path}")
+            aside = next(f"{p}.bad{i or ''}" for i in range(1000) if not os.path.exists(f"{p}.bad{i or ''}"))
+            os.replace(p, aside)
+            print(f"warning: renamed {p} to {aside}; resuming from the previous checkpoint, {path}")
         return step, path, ckpt
     if bad:
         raise UserError(f"{log_dir!r} holds checkpoints but none can be resumed from (see above): move them "
@@ -467,7 +472,7 @@ def find_checkpoint(log_dir, rank, world, device):
             path = os.path.join(log_dir, f"model_{step:05d}.pt")
             try:
                 ckpt = read_checkpoint(path)
-            except ValueError as e:
+            except (ValueError, OSError, MemoryError) as e:
                 print(f"error: rank {rank} cannot read {path}: {e}", file=sys.stderr)
                 failed = True
         failed = any_rank(failed or step == -2, world, device)
@@ -585,13 +590,16 @@ def setup_device(device, cpu_reuse_memory=False):
     if ddp:
         cuda = device.startswith('cuda')
         store = None
-        if 'TORCHELASTIC_RESTART_COUNT' in os.environ:
-            # torchrun: a restarted worker group meets in the same store as the group that died
-            # and can read its stale keys (a hang or a failed connect): each attempt gets its own
-            agent_store = os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True'  # else rank 0 hosts it
-            store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world,
-                                  is_master=rank == 0 and not agent_store, timeout=timedelta(minutes=10))
-            store = dist.PrefixStore(f"train_gpt2/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+        if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':  # torchrun, its agent's store
+            # the store outlives a worker group: a restarted group would read the dead group's keys
+            # (a hang or a failed connect); one node's agent counts the attempts, so they key it
+            if int(os.environ.get('GROUP_WORLD_SIZE', 1)) == 1:
+                store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world,
+                                      is_master=False, timeout=timedelta(minutes=10))
+                store = dist.PrefixStore(f"train_gpt2/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+            elif rank == 0 and int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)) > 0:  # nodes count apart
+                print("warning: restarts on several nodes: launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so "
+                      "that each worker group meets in a new store (see README)")
         dist.init_process_group(backend='nccl' if cuda else 'gloo', store=store, rank=rank, world_size=world,
                                 device_id=torch.device(device) if cuda else None)
     return ddp, rank, local_rank, world, device
@@ -608,7 +616,6 @@ def main(argv=None):
     except UserError as e:
         sys.exit(f"error: {e}" if master else 1)
     globals().update(config)  # the rest reads the constants, as overridden
-    signal.signal(signal.SIGTERM, on_sigterm)  # preemption: finish the step, checkpoint, exit EXIT_PREEMPTED
     ddp, rank, local_rank, world, dev = setup_device(device, cpu_reuse_memory)
     code = None
     try:
@@ -706,6 +713,10 @@ def run(config, rank, world, device):
         train_loader.load_state(ckpt['loader'], ckpt_path)
         set_rng_state(ckpt['rng'], device)
         start, evaluated, bad_steps = ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
+        if bad_steps >= max_bad_steps:  # not for an automatic restart to push on: a person decides
+            raise UserError(f"{ckpt_path}: the run stopped after {bad_steps} steps in a row with a non-finite loss or "
+                            f"gradient norm; to go on past them (after lowering max_lr, say), raise max_bad_steps above "
+                            f"{bad_steps}, or point log_dir elsewhere to start afresh")
         del ckpt  # the memory map
         if master:
             print(f"resuming from {ckpt_path}: step {start}, train data at {train_loader.state()['file']} "
@@ -747,13 +758,18 @@ def run(config, rank, world, device):
 
     # step = number of optimizer updates done: eval, sample and checkpoint the model as it is
     # after `step` updates, then (unless it is the last) take the update step -> step + 1
+    signal.signal(signal.SIGTERM, on_sigterm)  # from here on, SIGTERM stops at the next step boundary with a checkpoint
     for step in range(start, max_steps + 1):
         last_step = step == max_steps
         checkpoint = last_step or (checkpoint_interval > 0 and step > 0 and step % checkpoint_interval == 0)
+        do_eval = eval_interval > 0 and (step % eval_interval == 0 or last_step or checkpoint)  # a checkpoint has its own
+        do_sample = sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step)
         done = step == start and evaluated  # resumed from a checkpoint that did this step's evals
+        stop = any_rank(stop_requested, world, device)  # SIGTERM during the last step: no evals, checkpoint now
+        busy = not done and not stop and (do_eval or do_sample or checkpoint)  # the same on every rank
         val_loss = None
-        if not done and eval_interval > 0 and (step % eval_interval == 0 or last_step or checkpoint):
-            val_loss = evaluate(eval_model, val_data, B, T, rank, world, device, dtype)  # a checkpoint has its own
+        if busy and do_eval:
+            val_loss = evaluate(eval_model, val_data, B, T, rank, world, device, dtype)
             if master:
                 print(f"step {step:5d} | val loss {val_loss:.4f}")
                 log(f"{step} val {val_loss:.4f}")
@@ -767,10 +783,19 @@ def run(config, rank, world, device):
                     print(f"step {step:5d} | hellaswag acc_norm {correct_norm}/{n} = {correct_norm / n:.4f} "
                           f"(acc {correct / n:.4f})")
                     log(f"{step} hella {correct_norm / n:.4f}")
-        if not done and master and sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step):
+        if busy and do_sample and master:
             sample(raw_model, step, device)
-        if not done and checkpoint:
+        if busy and checkpoint:
             save_checkpoint(lambda: checkpoint_state(step, val_loss, True), rank, world, device)
+        if busy:
+            stop = any_rank(stop_requested, world, device)  # SIGTERM during the evals
+        if stop:  # preemption: the state after `step` updates, its evals done or not
+            if not (busy and checkpoint):
+                save_checkpoint(lambda: checkpoint_state(step, val_loss, done or busy), rank, world, device)
+            if master:
+                print(f"SIGTERM: stopped at step {step}; wrote {os.path.join(log_dir, f'model_{step:05d}.pt')}; run "
+                      f"the same command again to resume (exit code {EXIT_PREEMPTED})")
+            return EXIT_PREEMPTED
         if last_step:
             break
 
@@ -789,19 +814,12 @@ def run(config, rank, world, device):
             if not ok:
                 log(f"{step} skip {bad_steps}")
 
-        # stop early, with a checkpoint of the state after this step: SIGTERM on any rank
-        # (preemption), or too many non-finite steps (the weights are the last good update's)
-        if bad_steps >= max_bad_steps or any_rank(stop_requested, world, device):
+        if bad_steps >= max_bad_steps:  # stop with a checkpoint: the weights are the last good update's
             save_checkpoint(lambda: checkpoint_state(step + 1, None, False), rank, world, device)
-            path = os.path.join(log_dir, f"model_{step + 1:05d}.pt")
-            if bad_steps >= max_bad_steps:
-                raise UserError(f"stopped after {bad_steps} steps in a row with a non-finite loss or gradient norm "
-                                f"(max_bad_steps={max_bad_steps}); {path} holds the last good weights, and resuming "
-                                f"continues after the skipped batches: lower max_lr, or check the data")
-            if master:
-                print(f"SIGTERM: stopped after step {step}; wrote {path}; run the same command again to resume "
-                      f"(exit code {EXIT_PREEMPTED})")
-            return EXIT_PREEMPTED
+            raise UserError(f"stopped after {bad_steps} steps in a row with a non-finite loss or gradient norm "
+                            f"(max_bad_steps={max_bad_steps}); {os.path.join(log_dir, f'model_{step + 1:05d}.pt')} "
+                            f"holds the last good weights, with the data position after the skipped batches; "
+                            f"lower max_lr or check the data, then raise max_bad_steps to resume from it")
     return 0
 
 

@@ -162,3 +162,14 @@ def test_hellaswag_in_training_same_for_any_world_size(tmp_path):
     a, b = read_log(tmp_path / "one"), read_log(tmp_path / "two")
     assert sorted(a["hella"]) == [0, 2] and a["hella"] == b["hella"]
     assert re.search(r"hellaswag acc_norm \d+/31 = ", two.stdout)
+
+
+def test_evaluate_builds_no_graph():
+    """Eval runs without autograd: a graph per val batch would hold its activations and logits
+    until the end of the eval (gigabytes per batch at the default sizes)."""
+    model = GPT(GPTConfig(block_size=32, vocab_size=512, n_layer=1, n_head=2, n_embd=32))
+    seen = []
+    model.register_forward_hook(lambda m, i, o: seen.append((torch.is_grad_enabled(), o[1].requires_grad)))
+    tokens = np.random.default_rng(0).integers(0, 512, 16 * 5 + 1).astype(np.uint16)
+    loss = evaluate(model, tokens, 2, 16, 0, 1, "cpu", "float32")
+    assert seen == [(False, False)] * 3 and 5 < loss < 7.5 and model.training
