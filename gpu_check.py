@@ -33,7 +33,7 @@ from model import GPTConfig, flops_per_token
 def main():
     defaults = dict(train_gpt2.DEFAULTS)
     c = train_gpt2.parse_config(sys.argv[1:], defaults)
-    overrides = ["--max_steps=30", "--eval_interval=10", f"--val_tokens={c['T']}", "--hellaswag=False",
+    overrides = ["--max_steps=30", "--eval_interval=10", f"--val_tokens={c['total_batch_size']}", "--hellaswag=False",
                  "--sample_interval=0", "--checkpoint_interval=10", "--keep_checkpoints=0",
                  "--dtype=bfloat16", "--compile=True", *sys.argv[1:]]
     c = train_gpt2.parse_config(overrides, defaults)

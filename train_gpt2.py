@@ -7,7 +7,8 @@ Train GPT-2 on FineWeb-Edu token shards, on one CPU/GPU or many GPUs.
 
 Edit the constants below, or override them with config files (Python files that assign some of
 these names) and --key=value arguments (Python literals; the type must stay the default's),
-applied in the order given.
+applied in the order given. The same command run again resumes from the newest checkpoint in
+log_dir; on SIGTERM the run checkpoints and exits with code 75 (see README).
 """
 import ast
 import builtins
