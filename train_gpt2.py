@@ -396,9 +396,13 @@ def list_checkpoints(log_dir):
 
 
 def read_checkpoint(path):
-    """The checkpoint at path, checked for what resuming needs; ValueError says what is wrong.
+    """The checkpoint at path, checked for what resuming needs; ValueError says what is wrong with
+    it, OSError that it could not be read.
     Tensors stay memory-mapped (read once for the checksum); their shapes are checked against a
     model and an optimizer built on the meta device (no memory) from the checkpoint's own config."""
+    with open(path, 'rb') as f:  # a read error (I/O, permissions) shows here, and proves nothing about the file
+        while f.read(1 << 24):
+            pass
     try:
         try:
             ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)  # no pickled code runs
@@ -423,9 +427,9 @@ def read_checkpoint(path):
             if state['exp_avg'].shape != p.shape or state['exp_avg_sq'].shape != p.shape:
                 raise ValueError(f"'optimizer' state of shape {tuple(state['exp_avg'].shape)} for a parameter of shape {tuple(p.shape)}")
         return ckpt
-    except (ValueError, OSError, MemoryError):
-        raise  # OSError, MemoryError: the file may well be fine (a read error, no memory): no fallback
-    except Exception as e:  # truncated, not a zip, wrong keys or shapes
+    except (ValueError, MemoryError):
+        raise  # MemoryError: the file may well be fine
+    except Exception as e:  # truncated (torch.load says OSError for some cuts), not a zip, wrong keys or shapes
         raise ValueError(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
 
 
@@ -599,8 +603,9 @@ def setup_device(device, cpu_reuse_memory=False):
                                       is_master=False, timeout=timedelta(minutes=10))
                 store = dist.PrefixStore(f"train_gpt2/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
             elif rank == 0 and int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)) > 0:  # nodes count apart
-                print("warning: restarts on several nodes: launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so "
-                      "that each worker group meets in a new store (see README)")
+                print("warning: restarts on several nodes: a restarted worker group can read the dead group's keys in "
+                      "torchrun's shared store; launch torchrun with --rdzv-backend=c10d and "
+                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so that each group meets in a new store (see README)")
         dist.init_process_group(backend='nccl' if cuda else 'gloo', store=store, rank=rank, world_size=world,
                                 device_id=torch.device(device) if cuda else None)
     return ddp, rank, local_rank, world, device
@@ -715,9 +720,9 @@ def run(config, rank, world, device):
         set_rng_state(ckpt['rng'], device)
         start, evaluated, bad_steps = ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
         if bad_steps >= max_bad_steps:  # not for an automatic restart to push on: a person decides
-            raise UserError(f"{ckpt_path}: the run stopped after {bad_steps} steps in a row with a non-finite loss or "
-                            f"gradient norm; to go on past them (after lowering max_lr, say), raise max_bad_steps above "
-                            f"{bad_steps}, or point log_dir elsewhere to start afresh")
+            raise UserError(f"{ckpt_path} was written after {bad_steps} steps in a row with a non-finite loss or "
+                            f"gradient norm, and max_bad_steps={max_bad_steps}: to go on (after lowering max_lr, say), "
+                            f"raise max_bad_steps above {bad_steps}, or point log_dir elsewhere to start afresh")
         del ckpt  # the memory map
         if master:
             print(f"resuming from {ckpt_path}: step {start}, train data at {train_loader.state()['file']} "
@@ -790,9 +795,9 @@ def run(config, rank, world, device):
             save_checkpoint(lambda: checkpoint_state(step, val_loss, True), rank, world, device)
         if busy:
             stop = any_rank(stop_requested, world, device)  # SIGTERM during the evals
-        if stop:  # preemption: the state after `step` updates, its evals done or not
-            if not (busy and checkpoint):
-                save_checkpoint(lambda: checkpoint_state(step, val_loss, done or busy), rank, world, device)
+        if stop and not (last_step and busy):  # preemption (at the last step: the run is complete)
+            if not done and not (busy and checkpoint):  # the state after `step` updates, its evals done or not
+                save_checkpoint(lambda: checkpoint_state(step, val_loss, busy), rank, world, device)
             if master:
                 print(f"SIGTERM: stopped at step {step}; wrote {os.path.join(log_dir, f'model_{step:05d}.pt')}; run "
                       f"the same command again to resume (exit code {EXIT_PREEMPTED})")

@@ -243,14 +243,16 @@ def test_elastic_resume_on_another_number_of_processes(one, two, data, tmp_path,
 
 
 def test_unloadable_newest_checkpoint_falls_back(one, data, tmp_path):
-    """The newest checkpoints: one truncated, one with a flipped bit in a weight (torch.load
-    alone would take it), one a pickle that would run code. Each is reported with its path and
+    """The newest checkpoints: two truncated (torch.load raises an OSError for some cuts), one
+    with a flipped bit in a weight (torch.load alone would take it), one a pickle that would run
+    code. Each is reported with its path and
     renamed aside, the run resumes from the one before, and nothing the pickle asked for ran."""
     log_dir = tmp_path / "log"
     copy_checkpoint(one, log_dir, 40)
     shutil.copy(one / "model_00060.pt", log_dir)
     with open(log_dir / "model_00060.pt", "r+b") as f:
         f.truncate(os.path.getsize(log_dir / "model_00060.pt") // 2)
+    (log_dir / "model_00050.pt").write_bytes((one / "model_00060.pt").read_bytes()[:20000])  # torch.load: OSError EINVAL
     shutil.copy(one / "model_00080.pt", log_dir)
     weight = state(one, 80)["model"]["transformer.h.1.mlp.c_fc.weight"]
     raw = bytearray((log_dir / "model_00080.pt").read_bytes())
@@ -271,7 +273,7 @@ def test_unloadable_newest_checkpoint_falls_back(one, data, tmp_path):
 
     r = run_script(args(data, log_dir))
     assert r.returncode == 0, r.stderr
-    for step in (60, 80, 100):
+    for step in (50, 60, 80, 100):
         path = log_dir / f"model_{step:05d}.pt"
         assert f"warning: cannot resume from {path}: " in r.stdout
         assert f"renamed {path} to {path}.bad" in r.stdout
@@ -282,7 +284,7 @@ def test_unloadable_newest_checkpoint_falls_back(one, data, tmp_path):
     assert (log_dir / "log.txt").read_text() == (one / "log.txt").read_text()
     assert_same(state(one), state(log_dir))
     assert (log_dir / "model_00060.pt").exists()  # written again by the resumed run
-    assert all((log_dir / f"model_{s:05d}.pt.bad").exists() for s in (60, 80, 100))
+    assert all((log_dir / f"model_{s:05d}.pt.bad").exists() for s in (50, 60, 80, 100))
 
 
 def test_read_error_is_not_corruption(one, data, tmp_path):
@@ -385,8 +387,9 @@ def test_non_finite_step_is_skipped(one, data, tmp_path):
 
     # an automatic restart (the same command) does not push on; a raised max_bad_steps does
     r = run_script(args(data, log_dir, "--max_bad_steps=3"))
-    assert r.returncode == 1 and ("the run stopped after 3 steps in a row with a non-finite loss or gradient norm; "
-                                  "to go on past them (after lowering max_lr, say), raise max_bad_steps above 3") in r.stderr
+    assert r.returncode == 1 and (f"{log_dir / 'model_00033.pt'} was written after 3 steps in a row with a non-finite "
+                                  f"loss or gradient norm, and max_bad_steps=3: to go on (after lowering max_lr, say), "
+                                  f"raise max_bad_steps above 3") in r.stderr
     r = run_script(args(data, log_dir, "--max_bad_steps=4"))
     assert r.returncode == 0, r.stderr
     log = read_log(log_dir)
