@@ -505,21 +505,23 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state['cuda'], device)
 
 
-def trim_lines(path, keep):
-    """Rewrite path (atomically) with only its whole lines for which keep(line) is True: what a
-    crashed run wrote after its last checkpoint is dropped, and the resumed run writes it again."""
+def trim_lines(path, step_field, keep):
+    """Rewrite path (atomically) with only its whole lines whose step (word step_field) passes
+    keep(step, words): what a crashed run wrote after its last checkpoint is dropped, and the
+    resumed run writes it again."""
     if not os.path.exists(path):
         return
+    lines = []
     with open(path) as f:
-        lines = [line for line in f if line.endswith('\n') and keep(line)]  # a line cut by a crash has no '\n'
+        for line in f:
+            words = line.split()
+            try:
+                step = int(words[step_field])
+            except (ValueError, IndexError):
+                continue
+            if line.endswith('\n') and keep(step, words):  # a line cut by a crash has no '\n'
+                lines.append(line)
     atomic_write(path, lambda f: f.write(''.join(lines).encode()))
-
-
-def line_step(line, field=0):
-    try:
-        return int(line.split()[field])
-    except (ValueError, IndexError):
-        return None
 
 
 def torch_save(obj, f):
@@ -686,8 +688,9 @@ def run(config, rank, world, device):
 
     # resume="auto": continue from the newest checkpoint of log_dir that loads (a restarted job
     # with an unchanged command line resumes by itself); none there: a fresh run
-    if resume == 'never' and list_checkpoints(log_dir):
-        raise UserError(f"{log_dir!r} holds checkpoints of an earlier run ({list_checkpoints(log_dir)[0][1]}) and "
+    found = list_checkpoints(log_dir)
+    if resume == 'never' and found:
+        raise UserError(f"{log_dir!r} holds checkpoints of an earlier run ({found[0][1]}) and "
                         f"resume='never': point log_dir elsewhere, or move them away")
     ckpt_path, ckpt = find_checkpoint(log_dir, rank, world, device)
 
@@ -748,10 +751,8 @@ def run(config, rank, world, device):
             os.remove(tmp)  # a checkpoint write that a crash cut short
         # drop the lines a crashed run wrote after the checkpoint (all of them for a fresh run):
         # no step is logged twice; the val/hella lines of the checkpoint's own step stay when it has them
-        trim_lines(log_file, lambda line: line_step(line) is not None and (line_step(line) < start or (
-            line_step(line) == start and evaluated and line.split()[1:2] in (['val'], ['hella']))))
-        trim_lines(os.path.join(log_dir, 'samples.txt'), lambda line: line_step(line, 1) is not None and (
-            line_step(line, 1) < start or (line_step(line, 1) == start and evaluated)))
+        trim_lines(log_file, 0, lambda s, words: s < start or (s == start and evaluated and words[1:2] in (['val'], ['hella'])))
+        trim_lines(os.path.join(log_dir, 'samples.txt'), 1, lambda s, words: s < start or (s == start and evaluated))
 
     def log(line):
         with open(log_file, 'a') as f:
