@@ -4,22 +4,26 @@ Speed and memory of the training step, the instrument behind every speed claim o
     python bench.py [config/NAME.py] [--key=value ...] [--bench_steps=5] [--bench_warmup=2]
     python bench.py --bench_loader_tokens=100000000   # the data loader's memory instead
     python bench.py config/demo_cpu.py --bench_hellaswag=True   # HellaSwag scoring speed instead
+    python bench.py --bench_hellaswag_process=True   # python hellaswag.py vs build-nanogpt's loop, whole process
 
-Takes the trainer's configuration (same constants, files and overrides), runs bench_warmup +
-bench_steps optimizer steps of train_gpt2.train_step on random tokens (no disk I/O), and prints
-tok/s, model FLOPs per token, the achieved FLOP/s as a fraction of the device's matmul rate in
-the same dtype (measured in this run), and peak memory. Then, unless compile or
---bench_baseline=False, the same steps with the loss computed by plain F.cross_entropy (as
-build-nanogpt does) as the baseline, and the speedup over it. One process: total_batch_size must
-be a multiple of B*T.
+Takes the trainer's configuration (same constants, files and overrides; dtype and compile
+"auto" resolved as the trainer resolves them), runs bench_warmup + bench_steps optimizer steps of
+train_gpt2.train_step on random tokens (no disk I/O), and prints tok/s, model FLOPs per token,
+the achieved FLOP/s as a fraction of the device's matmul rate in the same dtype (measured in this
+run), and peak memory. Then, unless --bench_baseline=False, the same steps as build-nanogpt takes
+them (full logits, F.cross_entropy, glibc's default memory handling) on the same model, dtype and
+batch as the baseline, and both ratios: time per step and peak memory. Each of the two runs in a
+process of its own (a clean heap, its own peak). total_batch_size must be a multiple of B*T.
 
 With bench_loader_tokens > 0 it measures the loader instead: the anonymous memory (RssAnon, not
 the page cache) that DataLoaderLite adds while reading a shard of that many tokens and of a
 tenth of it, against loading the shard whole as int64 tokens (build-nanogpt's loader), in the
 same run.
 """
+import json
 import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,9 +45,9 @@ def sync(device):
 
 
 def matmul_flops(device, dtype, n=None, reps=10):
-    """FLOP/s of an n x n @ n x n matmul in dtype on device (bf16 inputs for bfloat16, as autocast)."""
+    """FLOP/s of an n x n @ n x n matmul in dtype on device (bf16/fp16 inputs, as autocast makes them)."""
     n = n or (8192 if device.startswith('cuda') else 2048)
-    torch_dtype = torch.bfloat16 if dtype == 'bfloat16' else torch.float32
+    torch_dtype = model_module.AUTOCAST_DTYPES.get(dtype, torch.float32)
     a = torch.randn(n, n, device=device, dtype=torch_dtype)
     b = torch.randn(n, n, device=device, dtype=torch_dtype)
     for _ in range(2):
@@ -107,18 +111,58 @@ def peak_memory_mib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 10  # KiB on Linux
 
 
-def time_steps(c, config, device, grad_accum):
-    """Mean seconds per optimizer step of train_gpt2.train_step (after bench_warmup steps), and the model."""
+def nanogpt_forward(self, idx, targets=None):
+    """build-nanogpt's GPT.forward (the same model): the logits in full, then F.cross_entropy."""
+    logits = self.lm_head(self.hidden_states(idx))  # (B, T, vocab_size)
+    loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+    return logits, loss
+
+
+def nanogpt_step(model, optimizer, loader, grad_accum, lr, device, dtype):
+    """build-nanogpt's training step: autocast (it knows bf16 only), loss.backward(), clip at 1.0."""
+    optimizer.zero_grad()
+    loss_accum = 0.0
+    for _ in range(grad_accum):
+        x, y = loader.next_batch()
+        x, y = x.to(device), y.to(device)
+        with model_module.autocast(device, dtype):
+            _, loss = model(x, y)
+        loss = loss / grad_accum
+        loss_accum += loss.detach()
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    for group in optimizer.param_groups:
+        group['lr'] = lr
+    optimizer.step()
+    return loss_accum
+
+
+def time_steps(c, role):
+    """In this process (a fresh one per role): seconds per optimizer step (the mean of bench_steps
+    after bench_warmup) and peak memory of the trainer's step ("ours": train_gpt2.train_step, with
+    cpu_reuse_memory as configured) or of build-nanogpt's ("baseline": its forward and step, and
+    glibc's default memory handling). Printed as one JSON line for the parent."""
+    _, _, _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'] and role == 'ours')
+    if device.startswith('cuda'):
+        torch.set_float32_matmul_precision('high')
+    if role == 'baseline':
+        GPT.forward = nanogpt_forward
     torch.manual_seed(c['seed'])
-    model = GPT(config).to(device)
+    model = GPT(GPTConfig(block_size=c['block_size'], vocab_size=c['vocab_size'], n_layer=c['n_layer'],
+                          n_head=c['n_head'], n_embd=c['n_embd'])).to(device)
     optimizer = model.configure_optimizers(c['weight_decay'], c['max_lr'], torch.device(device).type)
+    scaler = torch.amp.GradScaler(torch.device(device).type, enabled=c['dtype'] == 'float16')
     step_model = torch.compile(model) if c['compile'] else model
     loader = RandomTokens(c['B'], c['T'], c['vocab_size'])
+    grad_accum = c['total_batch_size'] // (c['B'] * c['T'])
 
     def step():
-        loss, _, _ = train_gpt2.train_step(step_model, optimizer, loader, grad_accum, c['max_lr'], c['grad_clip'],
-                                           device, c['dtype'], 1)
-        return loss.item()  # waits for the device, as the trainer does
+        if role == 'baseline':
+            loss = nanogpt_step(step_model, optimizer, loader, grad_accum, c['max_lr'], device, c['dtype'])
+        else:
+            loss, _, _, _ = train_gpt2.train_step(step_model, optimizer, scaler, loader, grad_accum, c['max_lr'],
+                                                  c['grad_clip'], device, c['dtype'], 1)
+        return loss.item()  # waits for the device, as both trainers do
 
     for _ in range(c['bench_warmup']):
         step()
@@ -127,7 +171,57 @@ def time_steps(c, config, device, grad_accum):
     for _ in range(c['bench_steps']):
         step()
     sync(device)
-    return (time.perf_counter() - t0) / c['bench_steps'], model
+    dt = (time.perf_counter() - t0) / c['bench_steps']
+    print(json.dumps({'dt': dt, 'peak': peak_memory_mib(device), 'threads': torch.get_num_threads(), 'device': device,
+                      'params': sum(p.numel() for p in model.parameters())}))
+
+
+def measure(argv, role):
+    """time_steps(role) in a new process: each measurement starts from a clean heap, and the peak
+    memory is its own."""
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, f"--bench_role={role}"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"error: the {role} measurement failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def bench_step(c, argv, device):
+    """The trainer's step against build-nanogpt's, same model, dtype and batch, one process each."""
+    if c['total_batch_size'] % (c['B'] * c['T']):
+        sys.exit(f"error: total_batch_size={c['total_batch_size']} is not a multiple of B*T={c['B'] * c['T']}")
+    c = train_gpt2.choose_precision(c, 0, 1, device)  # prints the precision chosen
+    argv = [*argv, f"--dtype={c['dtype']}", f"--compile={c['compile']}"]  # the same choice in both processes
+    ours = measure(argv, 'ours')
+    base = measure(argv, 'baseline') if c['bench_baseline'] else None
+
+    config = GPTConfig(block_size=c['block_size'], vocab_size=c['vocab_size'], n_layer=c['n_layer'],
+                       n_head=c['n_head'], n_embd=c['n_embd'])
+    tok_per_s = c['total_batch_size'] / ours['dt']
+    fpt = flops_per_token(config, c['T'])
+    peak_flops = matmul_flops(device, c['dtype'])
+    mem_what = "max allocated by torch" if device.startswith('cuda') else "peak RSS of the process"
+    cpu = torch.cpu.get_capabilities().get('cpu_name', '?') if hasattr(torch.cpu, 'get_capabilities') else '?'
+    print(f"model: {ours['params'] / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
+          f"n_embd={config.n_embd} vocab={config.vocab_size}")
+    print(f"batch: B={c['B']} T={c['T']} grad_accum={c['total_batch_size'] // (c['B'] * c['T'])} "
+          f"({c['total_batch_size']} tokens/step), device={device} dtype={c['dtype']} compile={c['compile']} "
+          f"threads={ours['threads']} cpu_reuse_memory={c['cpu_reuse_memory']}")
+    if device == 'cpu':
+        print(f"cpu: {cpu}, bf16 units: {model_module.cpu_has_bf16()}, kernels: {torch.backends.cpu.get_cpu_capability()}")
+    print(f"step time: {ours['dt'] * 1000:.1f} ms (mean of {c['bench_steps']} after {c['bench_warmup']} warmup)")
+    print(f"tok/s: {tok_per_s:,.0f}")
+    print(f"model FLOPs/token: {fpt / 1e6:.1f} MFLOP")
+    print(f"achieved: {tok_per_s * fpt / 1e12:.3f} TFLOP/s")
+    print(f"device matmul ({c['dtype']}): {peak_flops / 1e12:.3f} TFLOP/s, measured now")
+    print(f"MFU vs that matmul: {tok_per_s * fpt / peak_flops:.3f}")
+    print(f"peak memory: {ours['peak']:,.0f} MiB ({mem_what})")
+    if base is not None:
+        print(f"baseline, build-nanogpt's step (full logits, F.cross_entropy, default malloc), measured now: "
+              f"{base['dt'] * 1000:.1f} ms/step, {c['total_batch_size'] / base['dt']:,.0f} tok/s, "
+              f"peak memory {base['peak']:,.0f} MiB")
+        print(f"time per step vs baseline: {ours['dt'] / base['dt']:.3f}x (speedup {base['dt'] / ours['dt']:.3f}x); "
+              f"peak memory vs baseline: {ours['peak'] / base['peak']:.3f}x")
 
 
 def bench_hellaswag(c, config, device):
@@ -176,59 +270,118 @@ def bench_hellaswag(c, config, device):
     print(f"speedup: {ours / base:.2f}x (same acc_norm count: {correct == base_correct})")
 
 
+
+# build-nanogpt's hellaswag.py evaluation, rewritten for the whole-process comparison: HF's
+# GPT2LMHeadModel, one example (4 rows) per forward, logits at every position, the shifted logits
+# made contiguous, F.cross_entropy with reduction='none', masked sum and mean, argmin. Arguments:
+# model folder, jsonl file, number of examples. Prints the same last line as hellaswag.py.
+HELLASWAG_REFERENCE = r"""
+import json, sys
+import torch
+from torch.nn import functional as F
+from tqdm import tqdm
+from transformers import GPT2LMHeadModel
+from tokenizer import get_gpt2_encoding  # tiktoken's GPT-2 encoding, from local files (offline)
+
+model_dir, path, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+enc = get_gpt2_encoding()
+model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+with open(path) as f:
+    examples = [json.loads(line) for line in f][:limit]
+n = correct = correct_norm = 0
+with torch.no_grad():
+    for example in tqdm(examples):
+        ctx = enc.encode(example["ctx"])
+        rows = [ctx + enc.encode(" " + ending) for ending in example["endings"]]
+        tokens = torch.zeros((4, max(map(len, rows))), dtype=torch.long)
+        mask = torch.zeros_like(tokens)
+        for i, row in enumerate(rows):
+            tokens[i, :len(row)] = torch.tensor(row)
+            mask[i, len(ctx):len(row)] = 1
+        logits = model(tokens).logits  # (4, L, vocab): every position
+        shift_logits, shift_tokens = logits[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        losses = F.cross_entropy(shift_logits.view(-1, logits.size(-1)), shift_tokens.view(-1), reduction="none")
+        shift_mask = mask[:, 1:].contiguous()
+        sum_loss = (losses.view(4, -1) * shift_mask).sum(1)
+        avg_loss = sum_loss / shift_mask.sum(1)
+        n += 1
+        correct += int(sum_loss.argmin().item() == example["label"])
+        correct_norm += int(avg_loss.argmin().item() == example["label"])
+print(f"acc: {correct / n:.4f} acc_norm: {correct_norm / n:.4f}")
+"""
+
+
+def write_synthetic_hellaswag(path, n, seed=0):
+    """n examples in HellaSwag's jsonl format, as long as the val split's first ones (ActivityNet
+    captions, the ones --limit takes): contexts of 6-36 words (~20 tokens), endings of 3-20 (~11)."""
+    import json
+    import random
+    rng = random.Random(seed)
+    words = ("a the man woman boy girl people is are then seen shown standing holding ball dog camera "
+             "while with on in into front of water field kitchen begins continues to walk talk play "
+             "smiles jumps runs pushes pulls down up around and his her their").split()
+    text = lambda lo, hi: " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
+    with open(path, 'w') as f:
+        for i in range(n):
+            example = {"ind": i, "activity_label": "Synthetic", "ctx": text(6, 36).capitalize() + ". the man",
+                       "split": "val", "label": rng.randrange(4), "endings": [text(3, 20) + "." for _ in range(4)]}
+            f.write(json.dumps(example) + "\n")
+
+
+def bench_hellaswag_process(c):
+    """Whole-process wall clock (imports, tokenizer, model load, scoring) of `python hellaswag.py`
+    in float32 against HELLASWAG_REFERENCE (build-nanogpt's per-example loop), each a fresh process
+    on the same HF model folder (random weights, the configured shape, GPT-2's vocabulary) and the
+    same bench_hellaswag_examples synthetic examples; both must print the same acc and acc_norm."""
+    import subprocess
+    from transformers import GPT2Config, GPT2LMHeadModel
+    root = os.path.dirname(os.path.abspath(__file__))
+    n = c['bench_hellaswag_examples']
+    with tempfile.TemporaryDirectory() as tmp:
+        path, model_dir = os.path.join(tmp, 'hellaswag.jsonl'), os.path.join(tmp, 'model')
+        write_synthetic_hellaswag(path, n, c['seed'])
+        torch.manual_seed(c['seed'])
+        GPT2LMHeadModel(GPT2Config(n_layer=c['n_layer'], n_head=c['n_head'], n_embd=c['n_embd'],
+                                   n_positions=c['block_size'], vocab_size=50257)).save_pretrained(model_dir)
+        runs = {}
+        for name, cmd in (("ours", ["hellaswag.py", "--model", model_dir, "--file", path, "--limit", str(n),
+                                    "--device", "cpu", "--dtype", "float32"]),
+                          ("reference", ["-c", HELLASWAG_REFERENCE, model_dir, path, str(n)])):
+            t0 = time.perf_counter()
+            r = subprocess.run([sys.executable, *cmd], cwd=root, capture_output=True, text=True)
+            runs[name] = time.perf_counter() - t0, r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+            if r.returncode != 0:
+                sys.exit(f"error: {name} failed:\n{r.stderr[-3000:]}")
+    (ours, ours_out), (ref, ref_out) = runs["ours"], runs["reference"]
+    print(f"hellaswag whole process, {n} examples, n_layer={c['n_layer']} n_embd={c['n_embd']} vocab=50257, "
+          f"float32, cpu kernels: {torch.backends.cpu.get_cpu_capability()}, threads: {torch.get_num_threads()}")
+    print(f"python hellaswag.py: {ours:.1f} s ({ours_out})")
+    print(f"build-nanogpt's loop (HF, one example per forward): {ref:.1f} s ({ref_out})")
+    print(f"speedup: {ref / ours:.2f}x; same acc and acc_norm: {ours_out == ref_out}")
+
+
 def main():
     defaults = dict(train_gpt2.DEFAULTS)
-    defaults.update(bench_steps=5, bench_warmup=2, bench_loader_tokens=0, bench_baseline=True, bench_hellaswag=False)
+    defaults.update(bench_steps=5, bench_warmup=2, bench_loader_tokens=0, bench_baseline=True, bench_hellaswag=False,
+                    bench_role="", bench_hellaswag_process=False, bench_hellaswag_examples=500)
     try:
         c = train_gpt2.parse_config(sys.argv[1:], defaults)
     except train_gpt2.UserError as e:
         sys.exit(f"error: {e}")
+    if c['bench_role']:  # a child process of bench_step
+        return time_steps(c, c['bench_role'])
     if c['bench_loader_tokens'] > 0:
         return bench_loader(c)
+    if c['bench_hellaswag_process']:
+        return bench_hellaswag_process(c)
     _, _, _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])
-    if c['total_batch_size'] % (c['B'] * c['T']):
-        sys.exit(f"error: total_batch_size={c['total_batch_size']} is not a multiple of B*T={c['B'] * c['T']}")
-    grad_accum = c['total_batch_size'] // (c['B'] * c['T'])
     if device.startswith('cuda'):
         torch.set_float32_matmul_precision('high')
     config = GPTConfig(block_size=c['block_size'], vocab_size=c['vocab_size'], n_layer=c['n_layer'],
                        n_head=c['n_head'], n_embd=c['n_embd'])
     if c['bench_hellaswag']:
         return bench_hellaswag(c, config, device)
-    dt, model = time_steps(c, config, device, grad_accum)
-    peak_mem = peak_memory_mib(device)
-    dt_base = None
-    if c['bench_baseline'] and not c['compile']:  # compiled, the model uses F.cross_entropy anyway
-        plain = model_module.cross_entropy
-        model_module.cross_entropy = lambda logits, targets: F.cross_entropy(logits, targets)
-        try:
-            if device.startswith('cuda'):
-                torch.cuda.reset_peak_memory_stats()
-            dt_base, _ = time_steps(c, config, device, grad_accum)
-            peak_mem_base = peak_memory_mib(device)  # on CPU: the process's peak so far, >= ours
-        finally:
-            model_module.cross_entropy = plain
-
-    tok_per_s = c['total_batch_size'] / dt
-    fpt = flops_per_token(config, c['T'])
-    peak_flops = matmul_flops(device, c['dtype'])
-    mem_what = "max allocated by torch" if device.startswith('cuda') else "peak RSS of the process"
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
-          f"n_embd={config.n_embd} vocab={config.vocab_size}")
-    print(f"batch: B={c['B']} T={c['T']} grad_accum={grad_accum} ({c['total_batch_size']} tokens/step), "
-          f"device={device} dtype={c['dtype']} compile={c['compile']} threads={torch.get_num_threads()}")
-    print(f"step time: {dt * 1000:.1f} ms (mean of {c['bench_steps']} after {c['bench_warmup']} warmup)")
-    print(f"tok/s: {tok_per_s:,.0f}")
-    print(f"model FLOPs/token: {fpt / 1e6:.1f} MFLOP")
-    print(f"achieved: {tok_per_s * fpt / 1e12:.3f} TFLOP/s")
-    print(f"device matmul ({c['dtype']}): {peak_flops / 1e12:.3f} TFLOP/s, measured now")
-    print(f"MFU vs that matmul: {tok_per_s * fpt / peak_flops:.3f}")
-    print(f"peak memory: {peak_mem:,.0f} MiB ({mem_what})")
-    if dt_base is not None:
-        print(f"baseline, same step with plain F.cross_entropy (build-nanogpt's loss), measured now: "
-              f"{c['total_batch_size'] / dt_base:,.0f} tok/s, peak memory {peak_mem_base:,.0f} MiB")
-        print(f"speedup over baseline: {dt_base / dt:.3f}x; peak memory ratio: {peak_mem / peak_mem_base:.3f}")
+    return bench_step(c, sys.argv[1:], device)
 
 
 if __name__ == "__main__":

@@ -141,40 +141,43 @@ def iter_hf(dataset, name, text_column, streaming, skip):
 
 
 def demo_files():
-    """The Python standard library's own modules (no tests, no site-packages), sorted."""
+    """The Python standard library's own modules, sorted: no tests, no site-packages, and not the
+    generated data modules (pydoc_data's 750,000-character string, encodings' codec tables)."""
     stdlib = sysconfig.get_paths()['stdlib']
     files = []
     for root, dirs, names in os.walk(stdlib):
         dirs[:] = [d for d in dirs if d not in ('site-packages', 'dist-packages', 'test', 'tests', 'idle_test',
-                                                '__pycache__')]
+                                                '__pycache__', 'pydoc_data', 'encodings')]
         files += [os.path.join(root, n) for n in names if n.endswith('.py')]
     return sorted(files, key=lambda p: os.path.relpath(p, stdlib))
 
 
 def iter_demo():
-    """The demo corpus: every stdlib source file and the docstrings of each built-in module, in a
-    fixed shuffled order (sorted, then shuffled with seed 0), so that the val shard and the train
-    shards come from the same mix of modules."""
-    sources = demo_files() + sorted(sys.builtin_module_names)
-    random.Random(0).shuffle(sources)
-    for source in sources:
+    """The demo corpus: every stdlib source file cut at its top-level definitions (PEP 8 puts two
+    blank lines between them) and the docstrings of each built-in module's functions and classes,
+    the pieces in a fixed shuffled order (seed 0). The loader reads contiguous tokens, so a corpus
+    of whole files would give each small step one module; pieces give it a mix, and the val shard
+    comes from the same mix as the train shards."""
+    pieces = []
+    for source in demo_files() + sorted(sys.builtin_module_names):
         if source in sys.builtin_module_names:
             module = __import__(source)
-            docs = [f"{source}: {module.__doc__ or ''}"]
+            pieces.append(f"{source}: {module.__doc__ or ''}")
             for attr in sorted(dir(module)):
                 # functions and classes, not live objects (sys.stdout); a hook the running program
                 # may replace (sys.excepthook under pytest) as originally installed (sys.__excepthook__)
                 obj = getattr(module, f"__{attr}__", getattr(module, attr))
                 if not attr.startswith('_') and (inspect.isroutine(obj) or inspect.isclass(obj)) and obj.__doc__:
-                    docs.append(f"{source}.{attr}: {obj.__doc__}")
-            yield "\n\n".join(docs)
+                    pieces.append(f"{source}.{attr}: {obj.__doc__}")
             continue
         with open(source, 'rb') as f:
             data = f.read()
         try:
-            yield data.decode('utf-8')
+            pieces += [p for p in data.decode('utf-8').split('\n\n\n') if p.strip()]
         except UnicodeDecodeError:
             continue  # none in CPython's stdlib; skipped the same way every time
+    random.Random(0).shuffle(pieces)
+    yield from pieces
 
 
 # -----------------------------------------------------------------------------
@@ -342,7 +345,7 @@ def run(args):
     fingerprint = {'shard_size': shard_size, 'max_tokens': args.max_tokens}
     if args.demo:
         files = demo_files()
-        fingerprint.update(demo=sys.version, stdlib=sysconfig.get_paths()['stdlib'], files=len(files))
+        fingerprint.update(demo=sys.version, demo_version=2, stdlib=sysconfig.get_paths()['stdlib'], files=len(files))
         open_docs = lambda skip: itertools.islice(iter_demo(), skip, None)
     elif is_local(args.dataset):
         files = local_files(args.dataset)

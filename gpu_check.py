@@ -4,7 +4,8 @@ GPU check: the real launch path on one GPU, measured.
     python gpu_check.py [--key=value ...]
 
 Runs `torchrun --standalone --nproc_per_node=1 train_gpt2.py` (NCCL on CUDA) with the default
-124M config, bf16 and compile=True, for 30 steps on random-token shards written to a temporary
+124M config, dtype="auto" (bf16 from Ampere on, float16 with loss scaling before; --dtype=float16
+checks the loss scaling on any GPU) and compile=True, for 30 steps on random-token shards written to a temporary
 folder, then prints the trainer's tok/s (median of the steps after compilation) and the model
 FLOPs utilisation against this GPU's bf16 matmul rate, measured in the same run. Extra
 --key=value arguments go to the trainer too (e.g. --B=32 on a smaller GPU).
@@ -35,7 +36,7 @@ def main():
     c = train_gpt2.parse_config(sys.argv[1:], defaults)
     overrides = ["--max_steps=30", "--eval_interval=10", f"--val_tokens={c['total_batch_size']}", "--hellaswag=False",
                  "--sample_interval=0", "--checkpoint_interval=10", "--keep_checkpoints=0",
-                 "--dtype=bfloat16", "--compile=True", *sys.argv[1:]]
+                 "--dtype=auto", "--compile=True", *sys.argv[1:]]
     c = train_gpt2.parse_config(overrides, defaults)
     with tempfile.TemporaryDirectory() as tmp:
         rng = np.random.default_rng(0)
@@ -68,6 +69,7 @@ def main():
     steady = rates[len(rates) // 3:]  # the first steps compile
     tok_per_s = statistics.median(steady)
     _, _, _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])  # the trainer's choice, in this process
+    c = train_gpt2.choose_precision(c, 0, 1, device)  # the precision the run used
     peak = matmul_flops(device, c['dtype'])
     config = GPTConfig(block_size=c['block_size'], vocab_size=c['vocab_size'], n_layer=c['n_layer'],
                        n_head=c['n_head'], n_embd=c['n_embd'])

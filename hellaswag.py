@@ -102,101 +102,145 @@ def render_example(example):
     return tokens, mask, example['label']
 
 
-def token_losses(model, h, targets, device, dtype, chunk=64):
-    """Cross-entropy in float32 of the output layer's predictions from hidden states h (N, n_embd)
-    for targets (N,), 64 rows at a time: a (64, vocab) block of logits stays in cache through
-    the log-softmax (about 2x faster on CPU than all rows at once)."""
-    losses = torch.empty(len(targets), device=device)
-    for i in range(0, len(targets), chunk):
+def prefix_tree(tokens, mask, block_size):
+    """One rendered example as a prefix tree of its 4 rows, (idx, pos, parent, targets): each
+    distinct prefix of the rows is one node, fed once (the context, and the first tokens that
+    endings share), with its token, position and parent node (-1 for none); a row's last token
+    is only predicted, never fed. targets: (node, token, row) per ending token, the node being the
+    one whose output predicts the token. A row longer than block_size loses context tokens from
+    the left; its ending must fit."""
+    idx, pos, parent, targets, node_of = [], [], [], [], {}
+    for r, (row, m) in enumerate(zip(tokens.tolist(), mask.tolist())):
+        start, n = m.index(1), len(m) - m[::-1].index(1)  # the ending is row[start:n]
+        cut = max(0, n - block_size)
+        if start < cut:
+            raise HellaSwagError(f"an ending of {n - start} tokens does not fit in block_size={block_size}")
+        row, start = row[cut:n], start - cut
+        node = -1
+        for j in range(len(row) - 1):
+            key = (node, row[j])  # the same token after the same prefix: the same node
+            if key not in node_of:
+                node_of[key] = len(idx)
+                idx.append(row[j])
+                pos.append(j)
+                parent.append(node)
+            node = node_of[key]
+            if j + 1 >= start:
+                targets.append((node, row[j + 1], r))
+    return idx, pos, parent, targets
+
+
+# torch.compile's fused CPU linear (oneDNN); absent from some builds
+FUSED_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, '_linear_pointwise')
+
+
+def linear(x, weight, bias=None, gelu=False):
+    """F.linear, then GPT-2's GELU if gelu. On CPU in float32 it goes through oneDNN with the GELU
+    fused into the matmul: HellaSwag scores ~7% faster than with torch's default float32 matmul
+    (MKL, which keeps to AVX2 on AMD CPUs), and the MLP's activations take one pass less."""
+    if FUSED_LINEAR and x.is_cpu and x.dtype == torch.float32 and not torch.is_autocast_enabled('cpu'):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu" if gelu else "none", [],
+                                                  "tanh" if gelu else "")
+    y = F.linear(x, weight, bias)
+    return F.gelu(y, approximate='tanh') if gelu else y
+
+
+def tree_hidden_states(model, idx, pos, slots, allowed, need):
+    """The final hidden states (len(need), n_embd) of the tokens need, for packed prefix trees:
+    idx and pos (N,) hold the tokens of B trees end to end and their positions; slots (N,) their
+    places in a (B, T) layout, where each attends to the tokens allowed (B, 1, T, T), its ancestors
+    and itself. The per-token layers run on the N tokens only (no padding), attention on the
+    (B, T) layout; the last block's output only where need asks (the output layer reads nothing
+    else). The model's own blocks and weights: the attention is written out here because the
+    model's knows only causal masks."""
+    t = model.transformer
+    x = t.wte(idx) + t.wpe(pos)  # (N, n_embd)
+    C, (B, _, T, _) = x.size(1), allowed.shape
+    padded = None
+    for i, block in enumerate(t.h):
+        attn, mlp = block.attn, block.mlp
+        qkv = linear(block.ln_1(x), attn.c_attn.weight, attn.c_attn.bias)  # (N, 3 * n_embd)
+        if padded is None:  # padding stays zero: no token attends to it
+            padded = qkv.new_zeros(B * T, 3 * C)
+        padded.index_copy_(0, slots, qkv)
+        q, k, v = padded.view(B, T, 3, attn.n_head, C // attn.n_head).permute(2, 0, 3, 1, 4)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2).reshape(B * T, C)
+        if i == len(t.h) - 1:  # the last block: only the rows the output layer reads
+            x, slots = x[need], slots[need]
+        x = x + linear(y[slots], attn.c_proj.weight, attn.c_proj.bias)
+        h = linear(block.ln_2(x), mlp.c_fc.weight, mlp.c_fc.bias, gelu=True)  # (N, 4 * n_embd)
+        x = x + linear(h, mlp.c_proj.weight, mlp.c_proj.bias)
+    return t.ln_f(x)
+
+
+def token_losses(model, h, rows, targets, device, dtype):
+    """-log p(targets[i]) from the output layer applied to h[rows[i]] (h: (N, n_embd)), in
+    float32. On CPU the logits go 512 words of the vocabulary at a time: each (N, 512) block
+    stays in cache from the matmul through its log-sum-exp (about 1.7x faster than whole rows),
+    and a target's logit is picked from its block."""
+    weight = model.lm_head.weight  # (vocab, n_embd); the output layer has no bias
+    V = weight.size(0)
+    chunk = 512 if h.device.type == 'cpu' else V
+    lse = torch.empty(len(h), (V + chunk - 1) // chunk, device=device)
+    picked = torch.empty(len(targets), device=device)
+    for c, v in enumerate(range(0, V, chunk)):
         with autocast(device, dtype):
-            logits = model.lm_head(h[i:i + chunk])
-        logp = F.log_softmax(logits, dim=-1, dtype=torch.float32)  # upcast inside: no float copy
-        losses[i:i + chunk] = -logp.gather(1, targets[i:i + chunk, None]).squeeze(1)
-    return losses
-
-
+            logits = linear(h, weight[v:v + chunk])
+        logits = logits.float()  # no copy in float32
+        lse[:, c] = torch.logsumexp(logits, dim=1)
+        here = (targets >= v) & (targets < v + chunk)
+        picked[here] = logits[rows[here], targets[here] - v]
+    return torch.logsumexp(lse, dim=1)[rows] - picked
 
 
 @torch.no_grad()
 def ending_losses(model, rendered, device, dtype="float32"):
     """(sum, mean) losses (4 * len(rendered),) of the endings of several rendered examples, in one
-    forward: rows right-padded to a common length (causal attention: padding after a row changes
-    nothing in it), the output layer applied only where an ending token is predicted, and the
-    cross-entropy taken in float32. A row longer than block_size loses context tokens from the
-    left; its ending must fit."""
-    block_size = model.config.block_size
-    rows, masks = [], []
-    for tokens, mask, _ in rendered:
-        for t, m in zip(tokens, mask):
-            n = int(torch.nonzero(m)[-1]) + 1  # the row's length
-            cut = max(0, n - block_size)
-            if m[:cut].any():
-                raise HellaSwagError(f"an ending of {int(m.sum())} tokens does not fit in block_size={block_size}")
-            rows.append(t[cut:n])
-            masks.append(m[cut:n])
-    L = max(len(r) for r in rows)
-    idx = torch.zeros((len(rows), L), dtype=torch.long)
-    sel = torch.zeros((len(rows), L), dtype=torch.bool)
-    for i, (r, m) in enumerate(zip(rows, masks)):
-        idx[i, :len(r)] = r
-        sel[i, :len(m)] = m.bool()
-    idx, sel = idx.to(device), sel[:, 1:].to(device)  # token j is predicted at position j - 1
+    forward. Each example is packed as its prefix tree (the context once, then each ending's
+    tokens attending to the context and to themselves, at their positions in the row), the trees
+    end to end, and the output layer applied only where an ending token is predicted, its
+    cross-entropy in float32."""
+    trees = [prefix_tree(tokens, mask, model.config.block_size) for tokens, mask, _ in rendered]
+    B, T = len(trees), max(len(idx) for idx, _, _, _ in trees)
+    allowed = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)  # padding attends to itself only
+    idx, pos, slots, see, targets = [], [], [], [], []
+    for b, (i, p, parent, tg) in enumerate(trees):
+        ancestors = []
+        for node, up in enumerate(parent):  # parents come before their children
+            ancestors.append((ancestors[up] if up >= 0 else []) + [node])
+            see += [(b, node, a) for a in ancestors[node]]
+        targets += [(len(idx) + node, token, 4 * b + r) for node, token, r in tg]
+        idx += i
+        pos += p
+        slots += range(b * T, b * T + len(i))
+    allowed[tuple(torch.tensor(see).T)] = True
+    nodes, tokens, rows = torch.tensor(targets, device=device).T
+    used, at = torch.unique(nodes, return_inverse=True)  # the output layer once per predicting node
+    idx, pos, slots = (torch.tensor(a, device=device) for a in (idx, pos, slots))
     with autocast(device, dtype):
-        h = model.hidden_states(idx)[:, :-1]  # (R, L-1, n_embd)
-    losses = token_losses(model, h[sel], idx[:, 1:][sel], device, dtype)  # the output layer where it matters
-    row_of = sel.nonzero()[:, 0]
-    sum_loss = torch.zeros(len(rows), device=device).index_add_(0, row_of, losses)
-    return sum_loss, sum_loss / sel.sum(1)
-
-
-@torch.no_grad()
-def shared_context_losses(model, rendered, device, dtype="float32"):
-    """ending_losses for examples whose contexts have the same length (and fit in block_size):
-    each context runs once, its keys and values are cached and shared by its 4 endings, and the
-    output layer runs once for the first ending token (all 4 are predicted at the context's end)."""
-    Lc = int(torch.nonzero(rendered[0][1][0])[0])  # context length: where the mask starts
-    K = len(rendered)
-    ends = [t[i, Lc:Lc + int(m[i].sum())] for t, m, _ in rendered for i in range(4)]
-    Le = max(len(e) for e in ends)
-    idx = torch.zeros((4 * K, Le), dtype=torch.long)
-    sel = torch.zeros((4 * K, Le), dtype=torch.bool)
-    for i, e in enumerate(ends):
-        idx[i, :len(e)] = e
-        sel[i, :len(e)] = True
-    ctx = torch.stack([t[0, :Lc] for t, _, _ in rendered]).to(device)  # (K, Lc)
-    idx, sel = idx.to(device), sel.to(device)
-    with autocast(device, dtype):
-        cache = model.new_kv_cache(K, Lc + Le)
-        first = model.lm_head(model.hidden_states(ctx, cache, 0)[:, -1])  # (K, vocab): each ending's 1st token
-        cache = [c.repeat_interleave(4, dim=1) for c in cache]  # (2, 4K, nh, Lc + Le, hs): 4 endings each
-        h = model.hidden_states(idx, cache, Lc)[:, :-1]  # (4K, Le-1, n_embd): ending tokens 2.. on
-    first_logp = F.log_softmax(first, dim=-1, dtype=torch.float32)  # once per context, for its 4 endings
-    first_loss = -first_logp[torch.arange(4 * K, device=device) // 4, idx[:, 0]]
-    losses = token_losses(model, h[sel[:, 1:]], idx[:, 1:][sel[:, 1:]], device, dtype)
-    sum_loss = first_loss.index_add(0, sel[:, 1:].nonzero()[:, 0], losses)
-    return sum_loss, sum_loss / sel.sum(1)
+        h = tree_hidden_states(model, idx, pos, slots, allowed[:, None].to(device), used)
+    losses = token_losses(model, h, at, tokens, device, dtype)
+    sum_loss = torch.zeros(4 * B, device=device).index_add_(0, rows, losses)
+    count = torch.zeros(4 * B, device=device).index_add_(0, rows, torch.ones_like(losses))
+    return sum_loss, sum_loss / count
 
 
 def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_examples=16):
     """(examples, correct by acc, correct by acc_norm) over examples i % world == rank; sum these
     over ranks for the whole set."""
-    # batches of examples whose contexts have the same length share the work of their contexts;
-    # the rare example longer than block_size (key -1) goes through ending_losses alone
-    groups = {}
-    for r in rendered[rank::world]:
-        fits = int(torch.nonzero(r[1].sum(0))[-1]) + 1 <= model.config.block_size
-        groups.setdefault(int(torch.nonzero(r[1][0])[0]) if fits else -1, []).append(r)
-    if -1 in groups and rank == 0:
-        print(f"hellaswag: {len(groups[-1])} examples are longer than block_size={model.config.block_size}: "
+    mine = rendered[rank::world]
+    long = sum(int(torch.nonzero(mask.sum(0))[-1]) + 1 > model.config.block_size for _, mask, _ in mine)
+    if long and rank == 0:
+        print(f"hellaswag: {long} examples are longer than block_size={model.config.block_size}: "
               f"their contexts lose tokens from the left")
-    batches = [(length, g[i:i + batch_examples]) for length, g in sorted(groups.items())
-               for i in range(0, len(g), batch_examples)]
+    # examples of about the same size share a forward: little padding
+    mine = sorted(mine, key=lambda r: int(r[1].sum()) + int(r[1][0].argmax()))  # ending tokens + context
     n = correct = correct_norm = 0
     was_training = model.training
     model.eval()
-    for length, batch in batches:
-        score = shared_context_losses if length >= 0 else ending_losses
-        sum_loss, avg_loss = score(model, batch, device, dtype)
+    for i in range(0, len(mine), batch_examples):
+        batch = mine[i:i + batch_examples]
+        sum_loss, avg_loss = ending_losses(model, batch, device, dtype)
         labels = torch.tensor([label for _, _, label in batch], device=device)
         correct += int((sum_loss.view(-1, 4).argmin(1) == labels).sum())
         correct_norm += int((avg_loss.view(-1, 4).argmin(1) == labels).sum())
@@ -205,15 +249,30 @@ def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_ex
     return n, correct, correct_norm
 
 
+class SkipInit(torch.overrides.TorchFunctionMode):
+    """Within it, the in-place torch.nn.init functions do nothing: for a model whose weights are
+    all loaded next (a missing one is an error), the random init of GPT-2 124M would be ~0.8 s
+    of a run's start."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, '__module__', None) == 'torch.nn.init' and func.__name__.endswith('_'):
+            return args[0] if args else kwargs['tensor']
+        return func(*args, **kwargs)
+
+
 def load_model(name, device):
     """An OpenAI name, a HF model folder, or a train_gpt2.py checkpoint (.pt)."""
     from model import GPT, GPTConfig
-    if name.endswith('.pt'):
-        ckpt = torch.load(name, map_location='cpu', weights_only=True)
-        model = GPT(GPTConfig(**ckpt['config']))
-        model.load_state_dict(ckpt['model'])
-    else:
-        model = GPT.from_pretrained(name)
+    if name in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):  # through HF, which has its own init
+        return GPT.from_pretrained(name).to(device).eval()
+    with SkipInit():
+        if name.endswith('.pt'):
+            ckpt = torch.load(name, map_location='cpu', weights_only=True)
+            model = GPT(GPTConfig(**ckpt['config']))
+            model.load_state_dict(ckpt['model'])  # strict: every weight
+        else:
+            model = GPT.from_pretrained(name)  # every weight, or an error
     return model.to(device).eval()
 
 
@@ -223,7 +282,7 @@ def main(argv=None):
     p.add_argument('--file', default=None, help="a local HellaSwag jsonl file (default: the split, downloaded once)")
     p.add_argument('--split', default='val', choices=['train', 'val'])
     p.add_argument('--device', default='auto')
-    p.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
+    p.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
     p.add_argument('--limit', type=int, default=0, help="score only the first N examples")
     p.add_argument('--batch_examples', type=int, default=16, help="examples per forward pass")
     args = p.parse_args(argv)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fineweb import atomic_write
-from model import GPT, GPTConfig, autocast
+from model import GPT, GPTConfig, autocast, cpu_has_bf16, resolve_dtype
 
 # -----------------------------------------------------------------------------
 # config: the defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu (build-nanogpt's run)
@@ -73,9 +73,9 @@ hellaswag = True  # HellaSwag acc_norm at every eval (all ranks share the 10,042
 hellaswag_file = ""  # a HellaSwag jsonl file; "" = the val split, downloaded once into ./hellaswag/
 # system
 device = "auto"  # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps; torchrun uses cuda:LOCAL_RANK
-dtype = "bfloat16"  # bfloat16 (autocast; parameters and optimizer stay float32) or float32
-compile = True  # torch.compile the model (slow to start, faster to run)
-cpu_reuse_memory = False  # CPU on Linux: keep freed memory for reuse, ~1.4-2x faster steps, ~+40% peak RSS
+dtype = "auto"  # auto (what the hardware does fast, printed at start), bfloat16, float16 (+ loss scaling), float32
+compile = "auto"  # torch.compile the model: auto = on CUDA (slow to start, faster to run), off elsewhere; True, False
+cpu_reuse_memory = True  # CPU on Linux: keep freed memory for reuse: ~10% faster steps for ~15% more peak RSS
 seed = 1337
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
@@ -96,7 +96,7 @@ def parse_config(argv, defaults):
         default = config[key]
         if isinstance(default, float) and type(value) is int:
             value = float(value)  # --max_lr=1 means 1.0
-        if type(value) is not type(default):
+        if type(value) is not type(default) and not (default == 'auto' and type(value) is bool):  # compile=False
             raise UserError(f"config key {key!r} in {source} must be {type(default).__name__} "
                             f"like its default {default!r}, got {type(value).__name__} {value!r}")
         config[key] = value
@@ -110,7 +110,8 @@ def parse_config(argv, defaults):
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
                 value = text  # a bare word is a string: --init_from=gpt2
-            if isinstance(defaults.get(key), str) and not isinstance(value, str):
+            if isinstance(defaults.get(key), str) and not isinstance(value, str) and not (
+                    defaults[key] == 'auto' and isinstance(value, bool)):
                 value = text  # a string key takes the text as typed: --data_root=123
             set_key(key, value, arg)
         else:
@@ -145,13 +146,38 @@ def check_config(c):
         raise UserError(f"config key 'resume' must be 'auto' or 'never', got {c['resume']!r}")
     if c['n_embd'] % c['n_head']:
         raise UserError(f"n_embd={c['n_embd']} must be a multiple of n_head={c['n_head']}")
-    if c['dtype'] not in ('bfloat16', 'float32'):
-        raise UserError(f"config key 'dtype' must be 'bfloat16' or 'float32', got {c['dtype']!r}")
+    if c['dtype'] not in ('auto', *PRECISIONS):
+        raise UserError(f"config key 'dtype' must be 'auto', 'bfloat16', 'float16' or 'float32', got {c['dtype']!r}")
+    if c['compile'] not in (True, False, 'auto'):
+        raise UserError(f"config key 'compile' must be True, False or 'auto', got {c['compile']!r}")
+    if not isinstance(c['device'], str):
+        raise UserError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {c['device']!r}")
     if c['device'] != 'auto':
         try:
             torch.device(c['device'])
         except RuntimeError:
             raise UserError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {c['device']!r}") from None
+
+
+PRECISIONS = ('float32', 'float16', 'bfloat16')  # from the least capable hardware to the most
+
+
+def choose_precision(config, rank, world, device):
+    """The config with dtype and compile made concrete for this device ("auto"), the same on every
+    rank; rank 0 says what it chose and why."""
+    dtype, why = resolve_dtype(config['dtype'], device)
+    if world > 1:  # every rank must compute alike: all take the least capable rank's choice
+        t = torch.tensor(PRECISIONS.index(dtype), device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        if PRECISIONS[t.item()] != dtype:
+            dtype, why = PRECISIONS[t.item()], 'auto: the choice of a rank whose hardware has less'
+    if rank == 0:
+        print(f"precision: {dtype} ({why}){', with loss scaling' if dtype == 'float16' else ''}")
+        if dtype == 'bfloat16' and torch.device(device).type == 'cpu' and not cpu_has_bf16():
+            print("warning: this CPU has no bf16 units: bfloat16 is emulated, ~100x slower than float32 (dtype='auto' "
+                  "picks float32 here)")
+    compiled = torch.device(device).type == 'cuda' if config['compile'] == 'auto' else config['compile']
+    return dict(config, dtype=dtype, compile=compiled)
 
 
 def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
@@ -186,15 +212,26 @@ def find_shards(data_root, split):
     return shards
 
 
-def open_shard(path):
-    """The shard's tokens as a read-only memory map: pages load as batches touch them."""
+def open_shard(path, vocab_size=None):
+    """The shard's tokens as a read-only memory map: pages load as batches touch them. With
+    vocab_size, every id is checked to be below it (one pass over the shard as it is opened)."""
     try:
         tokens = np.load(path, mmap_mode='r')
     except (ValueError, OSError) as e:
         raise UserError(f"{path}: not a readable .npy array ({e})") from None
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
         raise UserError(f"{path}: expected a 1-D uint16 array of token ids, got {tokens.dtype} of shape {tokens.shape}")
+    check_vocab(tokens, vocab_size, path)
     return tokens
+
+
+def check_vocab(tokens, vocab_size, path):
+    """An id the model has no embedding for: one line now, not an IndexError (CPU) or a device-side
+    assert (CUDA) when a batch reaches it."""
+    if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
+        i = int(tokens.argmax())
+        raise UserError(f"{path}: token id {tokens[i]} (at token {i:,}) is not below the model's vocab_size="
+                        f"{vocab_size}: the shard was made with another tokenizer, or vocab_size is too small")
 
 
 class DataLoaderLite:
@@ -207,8 +244,8 @@ class DataLoaderLite:
     a shard at the same step, and the token stream does not depend on the number of processes
     (a shard's tail shorter than one step is skipped)."""
 
-    def __init__(self, B, T, process_rank, num_processes, split, data_root, accum_steps=1):
-        self.B, self.T = B, T
+    def __init__(self, B, T, process_rank, num_processes, split, data_root, accum_steps=1, vocab_size=None):
+        self.B, self.T, self.vocab_size = B, T, vocab_size
         self.rank, self.world, self.accum = process_rank, num_processes, accum_steps
         self.step_tokens = B * T * num_processes * accum_steps
         self.shards = find_shards(data_root, split)
@@ -221,7 +258,7 @@ class DataLoaderLite:
 
     def reset(self):
         self.shard, self.pos, self.micro = 0, 0, 0
-        self.tokens = open_shard(self.shards[0])
+        self.tokens = open_shard(self.shards[0], self.vocab_size)
 
     def state(self):
         """The global position, at a step boundary: the same on every rank, for any world size."""
@@ -233,13 +270,13 @@ class DataLoaderLite:
             raise UserError(f"{source} was reading train shard {state['file']!r} (number {state['shard']}), but "
                             f"that shard of data_root is {name!r}: resume with the same data_root")
         self.shard, self.pos, self.micro = state['shard'], state['pos'], 0
-        self.tokens = open_shard(self.shards[self.shard])
+        self.tokens = open_shard(self.shards[self.shard], self.vocab_size)
         self.next_shard_if_short()  # total_batch_size may have grown
 
     def next_shard_if_short(self):
         if self.pos + self.step_tokens + 1 > len(self.tokens):  # no whole step left in this shard
             self.shard = (self.shard + 1) % len(self.shards)
-            self.tokens = open_shard(self.shards[self.shard])
+            self.tokens = open_shard(self.shards[self.shard], self.vocab_size)
             self.pos = 0
 
     def next_batch(self):
@@ -256,11 +293,12 @@ class DataLoaderLite:
         return x, y
 
 
-def load_val_tokens(data_root, n_tokens):
+def load_val_tokens(data_root, n_tokens, vocab_size=None):
     """The first n_tokens + 1 tokens of the val split, as one uint16 array."""
     parts, need = [], n_tokens + 1
     for path in find_shards(data_root, 'val'):
         parts.append(np.array(open_shard(path)[:need]))
+        check_vocab(parts[-1], vocab_size, path)
         need -= len(parts[-1])
         if need == 0:
             return np.concatenate(parts)
@@ -324,10 +362,11 @@ def evaluate(model, tokens, B, T, rank, world, device, dtype):
 # -----------------------------------------------------------------------------
 # training
 
-def train_step(model, optimizer, loader, grad_accum_steps, lr, grad_clip, device, dtype, world):
-    """One optimizer step over grad_accum_steps micro-batches; returns (mean loss, grad norm, ok).
-    A non-finite loss or gradient norm skips the update (ok=False): both are all-reduced values,
-    so every rank skips alike."""
+def train_step(model, optimizer, scaler, loader, grad_accum_steps, lr, grad_clip, device, dtype, world):
+    """One optimizer step over grad_accum_steps micro-batches; returns (mean loss, grad norm, ok,
+    overflow). A non-finite loss or gradient norm skips the update (ok=False): both are all-reduced
+    values, so every rank skips alike. overflow: float16 gradients overflowed at this loss scale,
+    which the scaler then halves (normal loss scaling, not a bad step)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_accum = torch.zeros((), device=device)
@@ -340,17 +379,22 @@ def train_step(model, optimizer, loader, grad_accum_steps, lr, grad_clip, device
             _, loss = model(x, y)
         loss = loss / grad_accum_steps  # the gradient of the mean over all micro-batches
         loss_accum += loss.detach()
-        loss.backward()
+        scaler.scale(loss).backward()  # float16: the loss scaled up so that small gradients survive
     if world > 1:
         dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG
         loss_accum /= world
+    scaler.unscale_(optimizer)  # float16: the gradients back to their true size, before clipping
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
-    ok = bool(torch.isfinite(loss_accum) & torch.isfinite(norm))  # waits for the device
+    finite_loss = bool(torch.isfinite(loss_accum))  # waits for the device
+    ok = finite_loss and bool(torch.isfinite(norm))
+    # an overflow at a scale <= 1 is no loss-scaling matter: it counts as a bad step
+    overflow = scaler.is_enabled() and finite_loss and not ok and scaler.get_scale() > 1
     if ok:
         for group in optimizer.param_groups:
             group['lr'] = lr
         optimizer.step()
-    return loss_accum, norm, ok
+    scaler.update()  # float16: halve the scale after an overflow, double it after 2000 clean steps
+    return loss_accum, norm, ok, overflow
 
 
 # -----------------------------------------------------------------------------
@@ -627,6 +671,8 @@ def main(argv=None):
     ddp, rank, local_rank, world, dev = setup_device(device, cpu_reuse_memory)
     code = None
     try:
+        config = choose_precision(config, rank, world, dev)
+        globals().update(config)
         code = run(config, rank, world, dev)
     except UserError as e:
         if master:
@@ -682,9 +728,9 @@ def run(config, rank, world, device):
         print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
         print(f"world_size={world} device={device} grad_accum_steps={grad_accum_steps}")
 
-    # the data first: a missing folder is reported before a model is built or downloaded
-    train_loader = DataLoaderLite(B, T, rank, world, 'train', data_root, accum_steps=grad_accum_steps)
-    val_data = load_val_tokens(data_root, val_tokens // T * T) if eval_interval > 0 else None
+    # the data first: a missing folder or split is reported before a model is built or downloaded
+    for split in ('train', 'val') if eval_interval > 0 else ('train',):
+        find_shards(data_root, split)
 
     # resume="auto": continue from the newest checkpoint of log_dir that loads (a restarted job
     # with an unchanged command line resumes by itself); none there: a fresh run
@@ -707,12 +753,18 @@ def run(config, rank, world, device):
             print(f"init_from={init_from}: model shape from the weights: {model.config}")
     if T > model.config.block_size:
         raise UserError(f"T={T} is longer than the model's block_size={model.config.block_size}")
+    vocab = model.config.vocab_size  # every token id is checked against it as a shard is opened
+    train_loader = DataLoaderLite(B, T, rank, world, 'train', data_root, grad_accum_steps, vocab)
+    val_data = load_val_tokens(data_root, val_tokens // T * T, vocab) if eval_interval > 0 else None
     model.to(device)
     raw_model = model  # plain module: state_dict without prefixes, generation, evaluation
     optimizer = raw_model.configure_optimizers(weight_decay, max_lr, device_type)
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')  # a no-op in other precisions
     start, evaluated, bad_steps = 0, False, 0
     if ckpt is not None:
         raw_model.load_state_dict(ckpt['model'])
+        if ckpt.get('scaler'):  # a float16 run's loss scale (empty in other precisions)
+            scaler.load_state_dict(ckpt['scaler'])
         decay = [group['weight_decay'] for group in optimizer.param_groups]
         optimizer.load_state_dict(ckpt['optimizer'])
         for group, wd in zip(optimizer.param_groups, decay):
@@ -761,7 +813,8 @@ def run(config, rank, world, device):
     def checkpoint_state(step, val_loss, evaluated):  # rank 0; 'model', 'config', 'step', 'val_loss' as build-nanogpt's
         return {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'config': asdict(raw_model.config),
                 'train_config': config, 'step': step, 'val_loss': val_loss, 'evaluated': evaluated,
-                'loader': train_loader.state(), 'rng': rng_state(device), 'bad_steps': bad_steps}
+                'loader': train_loader.state(), 'rng': rng_state(device), 'bad_steps': bad_steps,
+                'scaler': scaler.state_dict()}
 
     # step = number of optimizer updates done: eval, sample and checkpoint the model as it is
     # after `step` updates, then (unless it is the last) take the update step -> step + 1
@@ -808,17 +861,21 @@ def run(config, rank, world, device):
 
         t0 = time.time()
         lr = get_lr(step, max_lr, min_lr, warmup_steps, max_steps)
-        loss, norm, ok = train_step(model, optimizer, train_loader, grad_accum_steps, lr, grad_clip, device, dtype, world)
+        loss, norm, ok, overflow = train_step(model, optimizer, scaler, train_loader, grad_accum_steps, lr, grad_clip,
+                                              device, dtype, world)
         loss = loss.item()
         dt = time.time() - t0
-        bad_steps = 0 if ok else bad_steps + 1
+        bad_steps = 0 if ok else bad_steps if overflow else bad_steps + 1  # an overflow is neither
         if master:
             tok_per_sec = total_batch_size / dt
             print(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm.item():.4f} | "
                   f"dt {dt * 1000:.2f}ms | tok/sec {tok_per_sec:.2f}" +
-                  ("" if ok else f" | non-finite: update skipped ({bad_steps} in a row, max_bad_steps={max_bad_steps})"))
+                  ("" if ok else f" | float16 overflow: update skipped, loss scale now {scaler.get_scale():g}" if overflow
+                   else f" | non-finite: update skipped ({bad_steps} in a row, max_bad_steps={max_bad_steps})"))
             log(f"{step} train {loss:.6f}")
-            if not ok:
+            if overflow:
+                log(f"{step} overflow {scaler.get_scale():g}")
+            elif not ok:
                 log(f"{step} skip {bad_steps}")
 
         if bad_steps >= max_bad_steps:  # stop with a checkpoint: the weights are the last good update's

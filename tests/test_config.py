@@ -16,7 +16,8 @@ def test_defaults_are_build_nanogpts_run():
     assert (d["n_layer"], d["n_head"], d["n_embd"], d["block_size"], d["vocab_size"]) == (12, 12, 768, 1024, 50304)
     assert (d["total_batch_size"], d["B"], d["T"], d["max_steps"], d["warmup_steps"]) == (524288, 64, 1024, 19073, 715)
     assert (d["max_lr"], d["min_lr"], d["weight_decay"], d["grad_clip"], d["seed"]) == (6e-4, 6e-5, 0.1, 1.0, 1337)
-    assert (d["init_from"], d["device"], d["dtype"], d["eval_interval"]) == ("scratch", "auto", "bfloat16", 250)
+    assert (d["init_from"], d["device"], d["dtype"], d["eval_interval"]) == ("scratch", "auto", "auto", 250)
+    assert d["compile"] == "auto"  # on CUDA only
     # a restarted job resumes by itself; a checkpoint is an eval step
     assert (d["resume"], d["checkpoint_interval"] % d["eval_interval"]) == ("auto", 0)
 
@@ -30,20 +31,25 @@ def test_overrides_parse_as_literals_and_keep_types(tmp_path):
     assert c["compile"] is False and c["init_from"] == "gpt2" and c["data_root"] == "123"
     assert c["dtype"] == "float32"
     assert parse_config([str(cfg_file)], DEFAULTS)["max_lr"] == 1e-3
+    # a key whose default is "auto" also takes True/False, from a file as from the command line
+    cfg_file.write_text("compile = False\n")
+    assert parse_config([str(cfg_file)], DEFAULTS)["compile"] is False
+    assert parse_config(["--compile=True", "--dtype=float16"], DEFAULTS)["compile"] is True
     assert DEFAULTS["n_layer"] == 12  # the defaults are not touched
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--max_step=5"], r"unknown config key 'max_step' in --max_step=5; closest valid names: max_steps"),
     (["--n_layer=2.5"], r"config key 'n_layer' in --n_layer=2.5 must be int like its default 12, got float 2.5"),
-    (["--compile=1"], r"config key 'compile' in --compile=1 must be bool"),
+    (["--compile=1"], r"config key 'compile' must be True, False or 'auto', got '1'"),
+    (["--dtype=True"], r"config key 'dtype' must be 'auto', 'bfloat16', 'float16' or 'float32', got True"),
     (["--n_layer"], r"expected --key=value, got '--n_layer'"),
     (["config/missing.py"], r"config file 'config/missing.py' not found"),
     (["--B=0"], r"config key 'B' must be positive, got 0"),
     (["--T=-4"], r"config key 'T' must be positive, got -4"),
     (["--max_steps=-1"], r"config key 'max_steps' must be >= 0, got -1"),
     (["--n_head=5"], r"n_embd=768 must be a multiple of n_head=5"),
-    (["--dtype=float16"], r"config key 'dtype' must be 'bfloat16' or 'float32', got 'float16'"),
+    (["--dtype=float8"], r"config key 'dtype' must be 'auto', 'bfloat16', 'float16' or 'float32', got 'float8'"),
     (["--device=gpu"], r"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got 'gpu'"),
     (["--resume=yes"], r"config key 'resume' must be 'auto' or 'never', got 'yes'"),
     (["--keep_checkpoints=-1"], r"keep_checkpoints must be >= 0 and max_bad_steps >= 1, got -1 and 5"),
@@ -120,7 +126,7 @@ def test_presets_parse_and_divide(path):
     if "gpt2_" in path:  # the GPU presets: one node of 8 GPUs, 10B tokens
         assert c["total_batch_size"] % (c["B"] * c["T"] * 8) == 0
         assert abs(c["max_steps"] * c["total_batch_size"] - 10e9) < 0.01e9
-        assert c["dtype"] == "bfloat16" and c["compile"] is True
+        assert c["dtype"] == "auto" and c["compile"] == "auto"  # bf16 (fp16 before Ampere) and compile on GPUs
     else:
         assert c["total_batch_size"] % (c["B"] * c["T"]) == 0
 

