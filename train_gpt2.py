@@ -385,8 +385,8 @@ def train_step(model, optimizer, scaler, loader, grad_accum_steps, lr, grad_clip
         loss_accum /= world
     scaler.unscale_(optimizer)  # float16: the gradients back to their true size, before clipping
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
-    finite_loss = bool(torch.isfinite(loss_accum))  # waits for the device
-    ok = finite_loss and bool(torch.isfinite(norm))
+    finite_loss, finite_norm = torch.stack((torch.isfinite(loss_accum), torch.isfinite(norm))).tolist()  # one wait
+    ok = finite_loss and finite_norm
     # an overflow at a scale <= 1 is no loss-scaling matter: it counts as a bad step
     overflow = scaler.is_enabled() and finite_loss and not ok and scaler.get_scale() > 1
     if ok:
