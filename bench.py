@@ -333,7 +333,6 @@ def bench_hellaswag_process(c):
     in float32 against HELLASWAG_REFERENCE (build-nanogpt's per-example loop), each a fresh process
     on the same HF model folder (random weights, the configured shape, GPT-2's vocabulary) and the
     same bench_hellaswag_examples synthetic examples; both must print the same acc and acc_norm."""
-    import subprocess
     from transformers import GPT2Config, GPT2LMHeadModel
     root = os.path.dirname(os.path.abspath(__file__))
     n = c['bench_hellaswag_examples']
