@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from atomic import atomic_write
 from tokenizer import get_gpt2_encoding
 
 MANIFEST = "fineweb_manifest.json"
@@ -197,26 +198,6 @@ def tokenized(docs, pool, batch=1024):
         if not chunk:
             return
         yield from (pool.imap(tokenize, chunk, chunksize=16) if pool else map(tokenize, chunk))
-
-
-def atomic_write(path, write):
-    """write(f) into a temporary file beside path, fsync, rename: path is whole or absent."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, 'wb') as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if os.name == 'posix':  # the rename itself survives a crash (a folder cannot be opened on Windows)
-            dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def save_manifest(out_dir, manifest):

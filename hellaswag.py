@@ -20,6 +20,8 @@ import urllib.request
 import torch
 from torch.nn import functional as F
 
+from atomic import atomic_write
+from configurator import UserError
 from model import autocast
 from tokenizer import get_gpt2_encoding
 
@@ -28,39 +30,34 @@ URLS = {split: f"https://raw.githubusercontent.com/rowanz/hellaswag/master/data/
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hellaswag")
 
 
-class HellaSwagError(Exception):
+class HellaSwagError(UserError):
     """No data, or bad data: one line that names the file and what to do."""
 
 
 def download(split, cache_dir=CACHE_DIR, url=None):
-    """The path of hellaswag_{split}.jsonl in cache_dir, downloaded first if missing (to a
-    temporary name, renamed when complete: never a half file under the final name)."""
+    """The path of hellaswag_{split}.jsonl in cache_dir, downloaded first if missing (atomically:
+    never a half file under the final name)."""
     path = os.path.join(cache_dir, f"hellaswag_{split}.jsonl")
     if os.path.isfile(path):
         return path
     url = url or URLS[split]
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
+
+    def fetch(f):
         from tqdm import tqdm
         with urllib.request.urlopen(url, timeout=30) as r:
-            os.makedirs(cache_dir, exist_ok=True)
-            f = open(tmp, 'wb')
             size = int(r.headers.get('Content-Length') or 0) or None
-            with f, tqdm(total=size, unit='B', unit_scale=True, desc=os.path.basename(path)) as bar:
+            with tqdm(total=size, unit='B', unit_scale=True, desc=os.path.basename(path)) as bar:
                 while chunk := r.read(1 << 16):
                     f.write(chunk)
                     bar.update(len(chunk))
-                if size is not None and f.tell() != size:
-                    raise OSError(f"got {f.tell()} of {size} bytes")
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+            if size is not None and f.tell() != size:
+                raise OSError(f"got {f.tell()} of {size} bytes")
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        atomic_write(path, fetch)
     except (OSError, http.client.HTTPException) as e:
         raise HellaSwagError(f"could not download {url} ({type(e).__name__}: {e}); put hellaswag_{split}.jsonl "
                              f"in {cache_dir}, or pass its path (--file)") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return path
 
 
@@ -225,7 +222,7 @@ def ending_losses(model, rendered, device, dtype="float32"):
     return sum_loss, sum_loss / count
 
 
-def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_examples=16):
+def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_examples=32):
     """(examples, correct by acc, correct by acc_norm) over examples i % world == rank; sum these
     over ranks for the whole set."""
     mine = rendered[rank::world]
@@ -247,6 +244,35 @@ def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_ex
         n += len(batch)
     model.train(was_training)
     return n, correct, correct_norm
+
+
+@torch.no_grad()
+def load_for_training(file, model, rank, world, device):
+    """For train_gpt2.py's evals: the rendered val examples (file, else the cached or downloaded
+    split), or None after one warning when there are none; the same answer on every rank."""
+    import torch.distributed as dist
+    examples, why = None, None
+    if model.config.vocab_size < 50257:
+        why = f"vocab_size={model.config.vocab_size} is smaller than GPT-2's 50257"
+    else:
+        path = file or os.path.join(CACHE_DIR, 'hellaswag_val.jsonl')
+        if not file and rank == 0:
+            try:
+                download('val')  # nothing to do once cached
+            except HellaSwagError as e:
+                why = str(e)
+        if world > 1:
+            dist.barrier()  # rank 0's download first
+        if os.path.isfile(path):
+            examples = [render_example(e) for e in iterate_examples(file=path)]  # bad data: HellaSwagError
+        else:
+            why = why or f"{path} not found"
+    found = torch.tensor(int(examples is not None), device=device)
+    if world > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MIN)  # e.g. a node without the file: nobody evaluates
+    if rank == 0 and not found.item():
+        print(f"warning: no HellaSwag eval: {why or 'not on every node'}; training goes on without it")
+    return examples if found.item() else None
 
 
 class SkipInit(torch.overrides.TorchFunctionMode):
@@ -284,7 +310,7 @@ def main(argv=None):
     p.add_argument('--device', default='auto')
     p.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
     p.add_argument('--limit', type=int, default=0, help="score only the first N examples")
-    p.add_argument('--batch_examples', type=int, default=16, help="examples per forward pass")
+    p.add_argument('--batch_examples', type=int, default=32, help="examples per forward pass (32: ~7%% faster than 16 on a 2-core CPU)")
     args = p.parse_args(argv)
     device = args.device
     if device == 'auto':

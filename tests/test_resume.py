@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, read_log, run_script, write_shards
-from train_gpt2 import RESUME_KEYS
+from checkpoint import RESUME_KEYS
 
 MAX_STEPS = 120
 COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=256", f"--max_steps={MAX_STEPS}",

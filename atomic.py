@@ -1,0 +1,25 @@
+"""The one way this project writes a file that matters (shards, manifests, checkpoints, logs it
+rewrites, downloads): whole or absent, never half-written. No torch here: fineweb.py stays light."""
+import os
+
+
+def atomic_write(path, write):
+    """write(f) into a temporary file beside path, fsync, rename: path is whole or absent. The
+    temporary name is path + '.tmp' + pid, removed on any failure (what a crash leaves behind
+    matches path + '.tmp*')."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, 'wb') as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if os.name == 'posix':  # the rename itself survives a crash (a folder cannot be opened on Windows)
+            dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

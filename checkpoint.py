@@ -1,0 +1,343 @@
+"""
+Fault tolerance for train_gpt2.py: what a checkpoint holds, writing it atomically, choosing and
+checking one to resume from, RNG state, trimming the log lines a crashed run wrote after its last
+checkpoint, preemption (SIGTERM) and torchrun restarts. docs/resume.md tells the whole story.
+
+A checkpoint, log_dir/model_{step:05d}.pt, is the state after `step` optimizer updates: build-
+nanogpt's model, config, step and val_loss, plus everything needed to continue exactly (RESUME_KEYS):
+the optimizer, the global data position, every RNG state, whether the step's evals are done, the
+count of bad steps in a row and a checksum of its tensors. Rank 0 writes it; every rank reads it.
+"""
+import glob
+import os
+import pickle
+import random
+import re
+import signal
+import sys
+import types
+from dataclasses import asdict
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from atomic import atomic_write
+from configurator import UserError
+from model import GPT, GPTConfig
+
+CHECKPOINT_NAME = re.compile(r'model_(\d+)\.pt')
+RESUME_KEYS = ('model', 'optimizer', 'config', 'train_config', 'step', 'evaluated', 'loader', 'rng', 'bad_steps',
+               'checksum')
+EXIT_PREEMPTED = 75  # SIGTERM: checkpoint written, run the same command again (EX_TEMPFAIL: "try again")
+
+# -----------------------------------------------------------------------------
+# preemption: SIGTERM only sets a flag; the ranks agree on it at step boundaries
+
+stop_requested = False
+
+
+def on_sigterm(signum, frame):
+    global stop_requested
+    stop_requested = True  # finish the step in flight, then checkpoint and exit
+
+
+def listen_for_sigterm():
+    """From now on SIGTERM stops the run at the next step boundary, with a checkpoint."""
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def stop_agreed(world, device):
+    """True on every rank when SIGTERM reached any of them."""
+    return any_rank(stop_requested, world, device)
+
+
+def any_rank(flag, world, device):
+    """True on every rank when flag is True on any: decisions that all ranks must take together."""
+    if world == 1:
+        return flag
+    t = torch.tensor(int(flag), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def restart_store():
+    """The store for init_process_group under torchrun: None (torchrun's own), or on one node a
+    fresh key space per restart attempt. torchrun's agent store outlives a worker group, and a
+    restarted group would read the dead group's keys (a hang or a failed connect)."""
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    if int(os.environ.get('GROUP_WORLD_SIZE', 1)) == 1:  # one node's agent counts the attempts, so they key it
+        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), int(os.environ['WORLD_SIZE']),
+                              is_master=False, timeout=timedelta(minutes=10))
+        return dist.PrefixStore(f"train_gpt2/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    if int(os.environ['RANK']) == 0 and int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)) > 0:  # nodes count apart
+        print("warning: restarts on several nodes: a restarted worker group can read the dead group's keys in "
+              "torchrun's shared store; launch torchrun with --rdzv-backend=c10d and "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so that each group meets in a new store (see docs/resume.md)")
+    return None
+
+# -----------------------------------------------------------------------------
+# reading: the newest checkpoint that loads, checked before anything is built from it
+
+
+def checksum(obj):
+    """The sum of every tensor in obj (nested) read as integers: a byte of a checkpoint flipped or
+    zeroed on disk changes it (torch.load checks no CRC: such a file loads without complaint)."""
+    if torch.is_tensor(obj):
+        t = obj.detach().contiguous().view(-1)
+        return t.view(torch.int32 if t.element_size() == 4 else torch.uint8).sum(dtype=torch.int64).item()
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    return sum(checksum(v) for v in obj) % 2 ** 62 if isinstance(obj, (list, tuple)) else 0
+
+
+def list_checkpoints(log_dir):
+    """[(step, path)] of the model_NNNNN.pt files in log_dir, newest first."""
+    names = os.listdir(log_dir) if os.path.isdir(log_dir) else []
+    found = [(int(m.group(1)), os.path.join(log_dir, n)) for n in names if (m := CHECKPOINT_NAME.fullmatch(n))]
+    return sorted(found, reverse=True)
+
+
+def read_checkpoint(path):
+    """The checkpoint at path, checked for what resuming needs; ValueError says what is wrong with
+    it, OSError that it could not be read.
+    Tensors stay memory-mapped (read once for the checksum); their shapes are checked against a
+    model and an optimizer built on the meta device (no memory) from the checkpoint's own config."""
+    with open(path, 'rb') as f:  # a read error (I/O, permissions) shows here, and proves nothing about the file
+        while f.read(1 << 24):
+            pass
+    try:
+        try:
+            ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)  # no pickled code runs
+        except pickle.UnpicklingError as e:  # torch's advice (weights_only=False) is the one not to take
+            why = [line for line in str(e).splitlines() if 'GLOBAL' in line or 'Unsupported' in line]
+            raise ValueError(f"it holds pickled objects that a weights-only load refuses ({' '.join(why) or e})") from None
+        missing = [k for k in RESUME_KEYS if k not in ckpt]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}: not a checkpoint this trainer can resume from")
+        if checksum([v for k, v in ckpt.items() if k != 'checksum']) != ckpt['checksum']:
+            raise ValueError("the tensors do not match the checksum written with them: the file is corrupt")
+        with torch.device('meta'):
+            model = GPT(GPTConfig(**ckpt['config']))
+        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        have = {k: tuple(v.shape) for k, v in ckpt['model'].items()}
+        if have != want:
+            k = next(k for k in sorted(want.keys() | have.keys()) if want.get(k) != have.get(k))
+            raise ValueError(f"'model' does not match its config {ckpt['config']}: {k} is {have.get(k)}, expected {want.get(k)}")
+        optimizer = model.configure_optimizers(0.0, 0.0, 'cpu')
+        optimizer.load_state_dict(ckpt['optimizer'])  # group and parameter counts
+        for p, state in optimizer.state.items():
+            if state['exp_avg'].shape != p.shape or state['exp_avg_sq'].shape != p.shape:
+                raise ValueError(f"'optimizer' state of shape {tuple(state['exp_avg'].shape)} for a parameter of shape {tuple(p.shape)}")
+        return ckpt
+    except (ValueError, MemoryError):
+        raise  # MemoryError: the file may well be fine
+    except Exception as e:  # truncated (torch.load says OSError for some cuts), not a zip, wrong keys or shapes
+        raise ValueError(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+
+
+def pick_checkpoint(log_dir):
+    """Rank 0: (step, path, checkpoint) of the newest checkpoint that loads, or (-1, None, None)
+    when log_dir holds none. Newer ones that do not load are reported and renamed aside (*.bad),
+    out of the way of the next resume and of keep_checkpoints."""
+    bad = []
+    for step, path in list_checkpoints(log_dir):
+        try:
+            ckpt = read_checkpoint(path)
+        except ValueError as e:
+            print(f"warning: cannot resume from {path}: {e}")
+            bad.append(path)
+            continue
+        except (OSError, MemoryError) as e:
+            raise UserError(f"cannot read {path} ({type(e).__name__}: {e}); that is no proof the checkpoint is bad, so "
+                            f"nothing falls back: fix the cause and run again") from None
+        for p in bad:
+            aside = next(f"{p}.bad{i or ''}" for i in range(1000) if not os.path.exists(f"{p}.bad{i or ''}"))
+            os.replace(p, aside)
+            print(f"warning: renamed {p} to {aside}; resuming from the previous checkpoint, {path}")
+        return step, path, ckpt
+    if bad:
+        raise UserError(f"{log_dir!r} holds checkpoints but none can be resumed from (see above): move them "
+                        f"away to start afresh, or point log_dir elsewhere")
+    return -1, None, None
+
+
+def find_checkpoint(log_dir, resume, rank, world, device):
+    """(path, checkpoint) to resume from, the same on every rank, or (None, None) for a fresh run.
+    Rank 0 chooses; the other ranks read the same file (log_dir must be on a filesystem they share).
+    resume="never" refuses a log_dir that holds checkpoints."""
+    found = list_checkpoints(log_dir)
+    if resume == 'never' and found:
+        raise UserError(f"{log_dir!r} holds checkpoints of an earlier run ({found[0][1]}) and resume='never': "
+                        f"point log_dir elsewhere, or move them away")
+    step, path, ckpt, error = -1, None, None, None
+    if rank == 0:
+        try:
+            step, path, ckpt = pick_checkpoint(log_dir)
+        except UserError as e:
+            error = str(e)
+    failed = error is not None
+    if world > 1:
+        t = torch.tensor(-2 if failed else step, device=device)
+        dist.broadcast(t, 0)
+        step = t.item()
+        if rank > 0 and step >= 0:
+            path = os.path.join(log_dir, f"model_{step:05d}.pt")
+            try:
+                ckpt = read_checkpoint(path)
+            except (ValueError, OSError, MemoryError) as e:
+                print(f"error: rank {rank} cannot read {path}: {e}", file=sys.stderr)
+                failed = True
+        failed = any_rank(failed or step == -2, world, device)
+    if failed:
+        raise UserError(error or f"another rank could not read {path}: log_dir must be on a filesystem that every node sees")
+    return path, ckpt
+
+
+def rng_state(device):
+    """Every random generator's state (the same on every rank: all are seeded and used alike)."""
+    np_state = np.random.get_state()
+    state = {'torch': torch.get_rng_state(), 'python': random.getstate(),
+             'numpy': (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:])}
+    if torch.device(device).type == 'cuda':
+        state['cuda'] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device):
+    torch.set_rng_state(state['torch'])
+    random.setstate(state['python'])
+    name, keys, *rest = state['numpy']
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if torch.device(device).type == 'cuda' and 'cuda' in state:
+        torch.cuda.set_rng_state(state['cuda'], device)
+
+# -----------------------------------------------------------------------------
+# writing: rank 0, atomically; older checkpoints are deleted only once the new one is whole
+
+
+def checkpoint_state(step, val_loss, evaluated, raw_model, optimizer, scaler, loader, config, bad_steps, device):
+    """The checkpoint of the state after `step` updates (evaluated: that step's evals are done)."""
+    return {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'config': asdict(raw_model.config),
+            'train_config': config, 'step': step, 'val_loss': val_loss, 'evaluated': evaluated,
+            'loader': loader.state(), 'rng': rng_state(device), 'bad_steps': bad_steps, 'scaler': scaler.state_dict()}
+
+
+def torch_save(obj, f):
+    """torch.save into the open file f. A failed write (no space, a quota) raises its OSError:
+    torch.save itself would only say 'unexpected pos'."""
+    errors = []
+
+    def write(data):
+        try:
+            return f.write(data)
+        except OSError as e:
+            errors.append(e)
+            raise
+    try:
+        torch.save(obj, types.SimpleNamespace(write=write, flush=f.flush))
+    except RuntimeError:
+        if errors:
+            raise errors[0] from None
+        raise
+
+
+def save_checkpoint(make_state, log_dir, keep_checkpoints, rank, world, device):
+    """Rank 0 writes log_dir/model_{step:05d}.pt atomically, then deletes the checkpoints beyond
+    the newest keep_checkpoints. Every rank learns whether it worked: a failed write (a full
+    disk) stops the run, with the earlier checkpoints untouched."""
+    error = None
+    if rank == 0:
+        ckpt = make_state()
+        ckpt['checksum'] = checksum(list(ckpt.values()))
+        path = os.path.join(log_dir, f"model_{ckpt['step']:05d}.pt")
+        for name in ('log.txt', 'samples.txt'):  # the lines the checkpoint vouches for reach the disk first
+            if os.path.exists(os.path.join(log_dir, name)):
+                with open(os.path.join(log_dir, name), 'a') as f:
+                    os.fsync(f.fileno())
+        try:  # temporary file, fsync, rename: a checkpoint is whole or absent
+            atomic_write(path, lambda f: torch_save(ckpt, f))
+        except (OSError, RuntimeError) as e:  # the OS's reason (torch_save), or torch.save's own failure
+            error = (f"could not write the checkpoint {path} ({e}); "
+                     f"the earlier checkpoints are untouched: fix that (free some space, say) and run the same command again to resume")
+        else:
+            older = [p for s, p in list_checkpoints(log_dir) if s < ckpt['step']]
+            for p in older[max(keep_checkpoints - 1, 0):] if keep_checkpoints > 0 else []:
+                os.remove(p)  # only now that a newer one is complete
+    if any_rank(error is not None, world, device):
+        raise UserError(error or "rank 0 could not write a checkpoint")
+
+
+def trim_lines(path, step_field, keep):
+    """Rewrite path (atomically) with only its whole lines whose step (word step_field) passes
+    keep(step, words): what a crashed run wrote after its last checkpoint is dropped, and the
+    resumed run writes it again."""
+    if not os.path.exists(path):
+        return
+    lines = []
+    with open(path) as f:
+        for line in f:
+            words = line.split()
+            try:
+                step = int(words[step_field])
+            except (ValueError, IndexError):
+                continue
+            if line.endswith('\n') and keep(step, words):  # a line cut by a crash has no '\n'
+                lines.append(line)
+    atomic_write(path, lambda f: f.write(''.join(lines).encode()))
+
+# -----------------------------------------------------------------------------
+# resuming: the model's shape, then every piece of state, then the log files
+
+
+def resumed_model_config(ckpt, path, config, master):
+    """The checkpoint's model shape, once the config is known not to change it."""
+    old = ckpt['train_config']
+    if old.get('init_from') != config['init_from']:
+        raise UserError(f"{path} continues a run with init_from={old.get('init_from')!r}, but the config says "
+                        f"init_from={config['init_from']!r}: set it back, or point log_dir elsewhere to start afresh")
+    have = ckpt['config']
+    diff = [k for k in have if config['init_from'] == 'scratch' and config[k] != have[k]]
+    if diff:
+        raise UserError(f"{path} holds a model with {', '.join(f'{k}={have[k]}' for k in diff)}, but the "
+                        f"config asks for {', '.join(f'{k}={config[k]}' for k in diff)}: a run resumes only into the "
+                        f"same model shape; set them back, or point log_dir elsewhere to start afresh")
+    changed = [f"{k} {old[k]!r} -> {v!r}" for k, v in config.items() if k in old and old[k] != v]
+    if master and changed:
+        print(f"resuming with changed settings: {', '.join(changed)}")
+    return GPTConfig(**have)
+
+
+def restore(ckpt, path, raw_model, optimizer, scaler, loader, device, max_bad_steps):
+    """Load a checkpoint's weights, optimizer, loss scale, data position and RNG states; returns
+    (step, evaluated, bad_steps). The optimizer keeps the config's weight_decay."""
+    raw_model.load_state_dict(ckpt['model'])
+    if ckpt.get('scaler'):  # a float16 run's loss scale (empty in other precisions)
+        scaler.load_state_dict(ckpt['scaler'])
+    decay = [group['weight_decay'] for group in optimizer.param_groups]
+    optimizer.load_state_dict(ckpt['optimizer'])
+    for group, wd in zip(optimizer.param_groups, decay):
+        group['weight_decay'] = wd  # the config's, should it have changed
+    for st in optimizer.state.values():  # on CPU these would alias the checkpoint's memory map
+        st.update({k: v.clone() for k, v in st.items() if torch.is_tensor(v) and v.device.type == 'cpu'})
+    loader.load_state(ckpt['loader'], path)
+    set_rng_state(ckpt['rng'], device)
+    if ckpt['bad_steps'] >= max_bad_steps:  # not for an automatic restart to push on: a person decides
+        raise UserError(f"{path} was written after {ckpt['bad_steps']} steps in a row with a non-finite loss or "
+                        f"gradient norm, and max_bad_steps={max_bad_steps}: to go on (after lowering max_lr, say), "
+                        f"raise max_bad_steps above {ckpt['bad_steps']}, or point log_dir elsewhere to start afresh")
+    return ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
+
+
+def prepare_log_dir(log_dir, start, evaluated):
+    """Rank 0, before the first step: remove a checkpoint write that a crash cut short, and the log
+    lines a crashed run wrote after its checkpoint (all of them for a fresh run). No step is logged
+    twice; the val/hella lines and samples of the checkpoint's own step stay when it has them."""
+    os.makedirs(log_dir, exist_ok=True)
+    for tmp in glob.glob(os.path.join(glob.escape(log_dir), 'model_*.pt.tmp*')):
+        os.remove(tmp)
+    trim_lines(os.path.join(log_dir, 'log.txt'), 0,
+               lambda s, words: s < start or (s == start and evaluated and words[1:2] in (['val'], ['hella'])))
+    trim_lines(os.path.join(log_dir, 'samples.txt'), 1, lambda s, words: s < start or (s == start and evaluated))

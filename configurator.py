@@ -1,0 +1,102 @@
+"""
+The command line of train_gpt2.py: config files and --key=value overrides of its constants.
+
+    python train_gpt2.py config/gpt2_350M.py --max_steps=100 --dtype=float32
+
+A config file is Python that assigns some of the constants (it may read the others:
+max_steps = 2 * warmup_steps); --key=value takes a Python literal, or the text as typed for a
+string constant. Both are applied in the order given, and each value must keep its default's
+type (an int is fine for a float; True/False for an "auto" default). An unknown key is an error
+that names the closest valid ones.
+"""
+import ast
+import builtins
+import difflib
+import os
+import sys
+
+import torch
+
+from model import PRECISIONS
+
+
+class UserError(Exception):
+    """Bad configuration or data: reported as one line, without a traceback."""
+
+
+def parse_config(argv, defaults, doc=""):
+    """defaults, updated by config files and --key=value arguments, in the order given. -h or
+    --help prints doc and the constants with their defaults, and exits."""
+    if '-h' in argv or '--help' in argv:
+        print(doc + "\nconstants and their defaults:\n" + "\n".join(f"  --{k}={v!r}" for k, v in defaults.items()))
+        sys.exit(0)
+    config = dict(defaults)
+
+    def set_key(key, value, source):
+        if key not in config:
+            close = difflib.get_close_matches(key, list(config), n=3, cutoff=0.0)
+            raise UserError(f"unknown config key {key!r} in {source}; closest valid names: {', '.join(close)}")
+        default = config[key]
+        if isinstance(default, float) and type(value) is int:
+            value = float(value)  # --max_lr=1 means 1.0
+        if type(value) is not type(default) and not (default == 'auto' and type(value) is bool):  # compile=False
+            raise UserError(f"config key {key!r} in {source} must be {type(default).__name__} "
+                            f"like its default {default!r}, got {type(value).__name__} {value!r}")
+        config[key] = value
+
+    for arg in argv:
+        if arg.startswith('--'):
+            key, eq, text = arg[2:].partition('=')
+            if not eq:
+                raise UserError(f"expected --key=value, got {arg!r}")
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text  # a bare word is a string: --init_from=gpt2
+            if isinstance(defaults.get(key), str) and not isinstance(value, str) and not (
+                    defaults[key] == 'auto' and isinstance(value, bool)):
+                value = text  # a string key takes the text as typed: --data_root=123
+            set_key(key, value, arg)
+        else:
+            if not os.path.isfile(arg):
+                raise UserError(f"config file {arg!r} not found (expected a Python file of constants, e.g. config/NAME.py)")
+            namespace = dict(config)  # a file may use the constants: max_steps = 2 * warmup_steps
+            try:
+                with open(arg) as f:
+                    exec(builtins.compile(f.read(), arg, 'exec'), namespace)  # `compile` is a constant here
+            except Exception as e:
+                raise UserError(f"config file {arg!r} failed: {type(e).__name__}: {e}") from None
+            for key, value in namespace.items():
+                if key.startswith('_') or callable(value) or type(value).__name__ == 'module':
+                    continue
+                if key not in config or value is not config[key]:
+                    set_key(key, value, arg)
+    check_config(config)
+    return config
+
+
+def check_config(c):
+    for key in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size', 'total_batch_size', 'B', 'T'):
+        if c[key] <= 0:
+            raise UserError(f"config key {key!r} must be positive, got {c[key]}")
+    for key in ('max_steps', 'warmup_steps', 'eval_interval', 'val_tokens', 'sample_interval', 'sample_length',
+                'checkpoint_interval'):
+        if c[key] < 0:
+            raise UserError(f"config key {key!r} must be >= 0, got {c[key]}")
+    if c['keep_checkpoints'] < 0 or c['max_bad_steps'] < 1:
+        raise UserError(f"keep_checkpoints must be >= 0 and max_bad_steps >= 1, got {c['keep_checkpoints']} and {c['max_bad_steps']}")
+    if c['resume'] not in ('auto', 'never'):
+        raise UserError(f"config key 'resume' must be 'auto' or 'never', got {c['resume']!r}")
+    if c['n_embd'] % c['n_head']:
+        raise UserError(f"n_embd={c['n_embd']} must be a multiple of n_head={c['n_head']}")
+    if c['dtype'] not in ('auto', *PRECISIONS):
+        raise UserError(f"config key 'dtype' must be 'auto', 'bfloat16', 'float16' or 'float32', got {c['dtype']!r}")
+    if c['compile'] not in (True, False, 'auto'):
+        raise UserError(f"config key 'compile' must be True, False or 'auto', got {c['compile']!r}")
+    if not isinstance(c['device'], str):
+        raise UserError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {c['device']!r}")
+    if c['device'] != 'auto':
+        try:
+            torch.device(c['device'])
+        except RuntimeError:
+            raise UserError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {c['device']!r}") from None

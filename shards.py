@@ -1,0 +1,67 @@
+"""
+The token shards that fineweb.py writes (build-nanogpt's format: a 1-D uint16 .npy array of GPT-2
+token ids per file, *_train_*.npy and *_val_*.npy in one folder): finding them, opening them
+memory-mapped and checked, and the val tokens. DataLoaderLite (train_gpt2.py) reads the train split.
+"""
+import glob
+import json
+import os
+
+import numpy as np
+
+from configurator import UserError
+
+
+def find_shards(data_root, split):
+    if not os.path.isdir(data_root):
+        raise UserError(f"data folder {data_root!r} not found: run `python fineweb.py` to make the token "
+                        f"shards, or point data_root at them")
+    manifest = os.path.join(data_root, 'fineweb_manifest.json')  # written by fineweb.py
+    if os.path.isfile(manifest):
+        try:
+            with open(manifest) as f:
+                complete = json.load(f)['complete']
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{manifest}: unreadable ({e!r})") from None
+        if not complete:
+            raise UserError(f"{data_root!r} is unfinished: fineweb.py was interrupted or failed there; "
+                            f"run the same fineweb.py command again to finish it")
+    shards = sorted(glob.glob(os.path.join(data_root, f'*_{split}_*.npy')))
+    if not shards:
+        raise UserError(f"no {split} shard (*_{split}_*.npy) in {data_root!r}: run `python fineweb.py`")
+    return shards
+
+
+def open_shard(path, vocab_size=None):
+    """The shard's tokens as a read-only memory map: pages load as batches touch them. With
+    vocab_size, every id is checked to be below it (one pass over the shard as it is opened)."""
+    try:
+        tokens = np.load(path, mmap_mode='r')
+    except (ValueError, OSError) as e:
+        raise UserError(f"{path}: not a readable .npy array ({e})") from None
+    if tokens.dtype != np.uint16 or tokens.ndim != 1:
+        raise UserError(f"{path}: expected a 1-D uint16 array of token ids, got {tokens.dtype} of shape {tokens.shape}")
+    check_vocab(tokens, vocab_size, path)
+    return tokens
+
+
+def check_vocab(tokens, vocab_size, path):
+    """An id the model has no embedding for: one line now, not an IndexError (CPU) or a device-side
+    assert (CUDA) when a batch reaches it."""
+    if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
+        i = int(tokens.argmax())
+        raise UserError(f"{path}: token id {tokens[i]} (at token {i:,}) is not below the model's vocab_size="
+                        f"{vocab_size}: the shard was made with another tokenizer, or vocab_size is too small")
+
+
+def load_val_tokens(data_root, n_tokens, vocab_size=None):
+    """The first n_tokens + 1 tokens of the val split, as one uint16 array."""
+    parts, need = [], n_tokens + 1
+    for path in find_shards(data_root, 'val'):
+        parts.append(np.array(open_shard(path)[:need]))
+        check_vocab(parts[-1], vocab_size, path)
+        need -= len(parts[-1])
+        if need == 0:
+            return np.concatenate(parts)
+    raise UserError(f"the val split in {data_root!r} has {n_tokens + 1 - need} tokens, fewer than "
+                    f"val_tokens + 1 = {n_tokens + 1}: lower val_tokens")
