@@ -364,7 +364,7 @@ def main():
     defaults.update(bench_steps=5, bench_warmup=2, bench_loader_tokens=0, bench_baseline=True, bench_hellaswag=False,
                     bench_role="", bench_hellaswag_process=False, bench_hellaswag_examples=500)
     try:
-        c = train_gpt2.parse_config(sys.argv[1:], defaults)
+        c = train_gpt2.parse_config(sys.argv[1:], defaults, __doc__)
     except train_gpt2.UserError as e:
         sys.exit(f"error: {e}")
     if c['bench_role']:  # a child process of bench_step

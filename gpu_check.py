@@ -33,7 +33,7 @@ from model import GPTConfig, flops_per_token
 
 def main():
     defaults = dict(train_gpt2.DEFAULTS)
-    c = train_gpt2.parse_config(sys.argv[1:], defaults)
+    c = train_gpt2.parse_config(sys.argv[1:], defaults, __doc__)
     overrides = ["--max_steps=30", "--eval_interval=10", f"--val_tokens={c['total_batch_size']}", "--hellaswag=False",
                  "--sample_interval=0", "--checkpoint_interval=10", "--keep_checkpoints=0",
                  "--dtype=auto", "--compile=True", *sys.argv[1:]]

@@ -441,7 +441,6 @@ def train(model, eval_model, raw_model, optimizer, scaler, loader, val_data, hel
                             f"(max_bad_steps={max_bad_steps}); {os.path.join(log_dir, f'model_{step + 1:05d}.pt')} "
                             f"holds the last good weights, with the data position after the skipped batches; "
                             f"lower max_lr or check the data, then raise max_bad_steps to resume from it")
-    return 0
 
 
 if __name__ == "__main__":
