@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import fsdp
 from atomic import atomic_write
 from configurator import UserError
 from model import GPT, GPTConfig
@@ -218,9 +219,13 @@ def set_rng_state(state, device):
 # writing: rank 0, atomically; older checkpoints are deleted only once the new one is whole
 
 
-def checkpoint_state(step, val_loss, evaluated, raw_model, optimizer, scaler, loader, config, bad_steps, device):
-    """The checkpoint of the state after `step` updates (evaluated: that step's evals are done)."""
-    return {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'config': asdict(raw_model.config),
+def checkpoint_state(step, val_loss, evaluated, raw_model, optimizer, scaler, loader, config, bad_steps, rank, device):
+    """The checkpoint of the state after `step` updates (evaluated: that step's evals are done), on
+    rank 0 (None elsewhere). Every rank calls it: under FSDP the full state is gathered from all."""
+    model_state, optimizer_state = fsdp.full_state(raw_model, optimizer, rank)
+    if rank > 0:
+        return None
+    return {'model': model_state, 'optimizer': optimizer_state, 'config': asdict(raw_model.config),
             'train_config': config, 'step': step, 'val_loss': val_loss, 'evaluated': evaluated,
             'loader': loader.state(), 'rng': rng_state(device), 'bad_steps': bad_steps, 'scaler': scaler.state_dict()}
 
@@ -249,8 +254,8 @@ def save_checkpoint(make_state, log_dir, keep_checkpoints, rank, world, device):
     the newest keep_checkpoints. Every rank learns whether it worked: a failed write (a full
     disk) stops the run, with the earlier checkpoints untouched."""
     error = None
+    ckpt = make_state()  # a collective under FSDP: every rank takes part
     if rank == 0:
-        ckpt = make_state()
         ckpt['checksum'] = checksum(list(ckpt.values()))
         path = os.path.join(log_dir, f"model_{ckpt['step']:05d}.pt")
         for name in ('log.txt', 'samples.txt'):  # the lines the checkpoint vouches for reach the disk first
@@ -313,11 +318,14 @@ def resumed_model_config(ckpt, path, config, master):
 def restore(ckpt, path, raw_model, optimizer, scaler, loader, device, max_bad_steps):
     """Load a checkpoint's weights, optimizer, loss scale, data position and RNG states; returns
     (step, evaluated, bad_steps). The optimizer keeps the config's weight_decay."""
-    raw_model.load_state_dict(ckpt['model'])
     if ckpt.get('scaler'):  # a float16 run's loss scale (empty in other precisions)
         scaler.load_state_dict(ckpt['scaler'])
     decay = [group['weight_decay'] for group in optimizer.param_groups]
-    optimizer.load_state_dict(ckpt['optimizer'])
+    if fsdp.is_sharded(raw_model):  # each rank keeps its shards of the full tensors
+        fsdp.load_full_state(raw_model, optimizer, ckpt['model'], ckpt['optimizer'])
+    else:
+        raw_model.load_state_dict(ckpt['model'])
+        optimizer.load_state_dict(ckpt['optimizer'])
     for group, wd in zip(optimizer.param_groups, decay):
         group['weight_decay'] = wd  # the config's, should it have changed
     for st in optimizer.state.values():  # on CPU these would alias the checkpoint's memory map

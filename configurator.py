@@ -85,6 +85,8 @@ def check_config(c):
             raise UserError(f"config key {key!r} must be >= 0, got {c[key]}")
     if c['keep_checkpoints'] < 0 or c['max_bad_steps'] < 1:
         raise UserError(f"keep_checkpoints must be >= 0 and max_bad_steps >= 1, got {c['keep_checkpoints']} and {c['max_bad_steps']}")
+    if c['parallel'] not in ('ddp', 'fsdp'):
+        raise UserError(f"config key 'parallel' must be 'ddp' or 'fsdp', got {c['parallel']!r}")
     if c['resume'] not in ('auto', 'never'):
         raise UserError(f"config key 'resume' must be 'auto' or 'never', got {c['resume']!r}")
     if c['n_embd'] % c['n_head']:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
+import fsdp
 import hellaswag as hs
 from configurator import UserError, parse_config
 from model import GPT, GPTConfig, autocast, choose_precision, reuse_freed_memory
@@ -67,6 +68,7 @@ device = "auto"  # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps; torchrun use
 dtype = "auto"  # auto (what the hardware does fast, printed at start), bfloat16, float16 (+ loss scaling), float32
 compile = "auto"  # torch.compile the model: auto = on CUDA (slow to start, faster to run), off elsewhere; True, False
 cpu_reuse_memory = True  # CPU on Linux: keep freed memory for reuse: ~10% faster steps for ~15% more peak RSS
+parallel = "ddp"  # with torchrun: "ddp" (a whole copy of the state per GPU) or "fsdp" (sharded: fsdp.py)
 seed = 1337
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 
@@ -100,14 +102,10 @@ def setup_device(device, cpu_reuse_memory=False):
 # data: the uint16 token shards of fineweb.py (and build-nanogpt's), memory-mapped
 
 class DataLoaderLite:
-    """Batches of B sequences of T tokens from the sorted shards of one split.
-
-    One optimizer step reads one contiguous run of B*T*num_processes*accum_steps tokens (+1 for
-    the last target); micro-step m of rank r takes the chunk (m * num_processes + r) of it, so
-    ranks read disjoint, interleaved chunks that together cover the run. The position (shard,
-    pos) is global, the same on every rank, and moves only at step boundaries: all ranks leave
-    a shard at the same step, and the token stream does not depend on the number of processes
-    (a shard's tail shorter than one step is skipped)."""
+    """Batches of B sequences of T tokens from the sorted shards of one split. A step reads one run
+    of B*T*num_processes*accum_steps (+1) tokens; micro-step m of rank r takes its chunk
+    m * num_processes + r. The position (shard, pos) is global and moves by whole steps: the ranks
+    change shards together, and the tokens do not depend on the number of processes."""
 
     def __init__(self, B, T, process_rank, num_processes, split, data_root, accum_steps=1, vocab_size=None):
         self.B, self.T, self.vocab_size = B, T, vocab_size
@@ -238,18 +236,17 @@ def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
 
 
 def train_step(model, optimizer, scaler, loader, grad_accum_steps, lr, grad_clip, device, dtype, world):
-    """One optimizer step over grad_accum_steps micro-batches; returns (mean loss, grad norm, ok,
-    overflow). A non-finite loss or gradient norm skips the update (ok=False): both are all-reduced
-    values, so every rank skips alike. overflow: float16 gradients overflowed at this loss scale,
-    which the scaler then halves (normal loss scaling, not a bad step)."""
+    """One optimizer step over grad_accum_steps micro-batches: (mean loss, grad norm, ok, overflow).
+    A non-finite loss or norm (the same on every rank) skips the update; overflow: float16 loss
+    scaling at work (the scaler halves its scale), not a bad step."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_accum = torch.zeros((), device=device)
     for micro_step in range(grad_accum_steps):
         x, y = loader.next_batch()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if world > 1:  # all-reduce the gradients only once, after the last micro-step
-            model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+        if world > 1:  # all-reduce (DDP) or reduce-scatter (FSDP) the gradients only after the last micro-step
+            fsdp.set_grad_sync(model, micro_step == grad_accum_steps - 1)
         with autocast(device, dtype):
             _, loss = model(x, y)
         loss = loss / grad_accum_steps  # the gradient of the mean over all micro-batches
@@ -259,7 +256,7 @@ def train_step(model, optimizer, scaler, loader, grad_accum_steps, lr, grad_clip
         dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG
         loss_accum /= world
     scaler.unscale_(optimizer)  # float16: the gradients back to their true size, before clipping
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
+    norm = fsdp.full(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf')))
     finite_loss, finite_norm = torch.stack((torch.isfinite(loss_accum), torch.isfinite(norm))).tolist()  # one wait
     ok = finite_loss and finite_norm
     # an overflow at a scale <= 1 is no loss-scaling matter: it counts as a bad step
@@ -330,7 +327,9 @@ def run(config, rank, world, device):
     train_loader = DataLoaderLite(B, T, rank, world, 'train', data_root, grad_accum_steps, model.config.vocab_size)
     val_data = load_val_tokens(data_root, val_tokens // T * T, model.config.vocab_size) if eval_interval > 0 else None
     model.to(device)
-    raw_model = model  # the plain module: state_dict without prefixes, generation, evaluation
+    raw_model = model  # not wrapped: state_dict without prefixes; sharded in place under FSDP
+    if world > 1 and parallel == 'fsdp':
+        fsdp.shard(raw_model)  # before the optimizer, which must see the shards
     optimizer = raw_model.configure_optimizers(weight_decay, max_lr, torch.device(device).type)
     scaler = torch.amp.GradScaler(torch.device(device).type, enabled=dtype == 'float16')  # a no-op unless float16
     start, evaluated, bad_steps = 0, False, 0
@@ -351,7 +350,7 @@ def run(config, rank, world, device):
     if compile:
         model = torch.compile(model)
     eval_model = model  # not DDP-wrapped: ranks may run different numbers of eval batches
-    if world > 1:  # gradients are all-reduced during backward; every rank starts from rank 0's weights
+    if world > 1 and parallel == 'ddp':  # gradients all-reduced during backward; rank 0's weights everywhere
         model = DDP(model, device_ids=[torch.device(device).index] if device.startswith('cuda') else None)
     hella_data = hs.load_for_training(hellaswag_file, raw_model, rank, world, device) if hellaswag and eval_interval > 0 else None
     if master:
@@ -380,14 +379,13 @@ def build_model(ckpt, ckpt_path, config, master):
 
 def train(model, eval_model, raw_model, optimizer, scaler, loader, val_data, hella_data, start, evaluated, bad_steps,
           grad_accum_steps, config, rank, world, device):
-    """The loop. step = the number of updates done: at each step the model as it is is evaluated,
-    sampled and checkpointed when due, then (unless it is the last) updated: step -> step + 1.
-    Returns the exit code."""
+    """The loop; returns the exit code. step = updates done: the model as it is is evaluated, sampled
+    and checkpointed when due, then (unless it is the last step) updated: step -> step + 1."""
     master = rank == 0
 
     def save(step, val_loss, evaluated):  # rank 0 writes; every rank learns whether it worked
         checkpoint.save_checkpoint(lambda: checkpoint.checkpoint_state(
-            step, val_loss, evaluated, raw_model, optimizer, scaler, loader, config, bad_steps, device),
+            step, val_loss, evaluated, raw_model, optimizer, scaler, loader, config, bad_steps, rank, device),
             log_dir, keep_checkpoints, rank, world, device)
 
     def preempted(step, val_loss, evaluated, saved):  # SIGTERM: the state after `step` updates, then exit 75
@@ -408,9 +406,12 @@ def train(model, eval_model, raw_model, optimizer, scaler, loader, val_data, hel
         do_eval = eval_interval > 0 and (step % eval_interval == 0 or last_step or do_checkpoint)
         do_sample = sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step)
         if not done and (do_eval or do_sample or do_checkpoint):
-            val_loss = run_evals(eval_model, raw_model, val_data, hella_data, step, rank, world, device) if do_eval else None
+            plain = fsdp.eval_copy(raw_model, optimizer, device) if do_eval or do_sample else None  # FSDP: gathered
+            evaluator = eval_model if plain is raw_model else plain  # DDP: the compiled module, if compiled
+            val_loss = run_evals(evaluator, plain, val_data, hella_data, step, rank, world, device) if do_eval else None
             if do_sample and master:
-                sample(raw_model, step, device)
+                sample(plain, step, device)
+            del plain  # under FSDP its memory goes back before training goes on
             if do_checkpoint:
                 save(step, val_loss, True)
             if not last_step and checkpoint.stop_agreed(world, device):  # SIGTERM during the evals
@@ -425,6 +426,8 @@ def train(model, eval_model, raw_model, optimizer, scaler, loader, val_data, hel
         loss = loss.item()  # waits for the step to finish: dt is its real time
         dt = time.time() - t0
         bad_steps = 0 if ok else bad_steps if overflow else bad_steps + 1  # an overflow is neither
+        if master and step == start:  # what this rank holds: whole tensors under DDP, shards under FSDP
+            print(f"parameters, gradients and optimizer state per rank: {fsdp.state_mib(raw_model, optimizer):.1f} MiB")
         if master:
             print(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm.item():.4f} | dt {dt * 1000:.2f}ms | "
                   f"tok/sec {total_batch_size / dt:.2f}" +

@@ -20,6 +20,15 @@ def write_shards(folder, split, arrays, prefix="edufineweb"):
         np.save(os.path.join(folder, f"{prefix}_{split}_{i:06d}.npy"), np.asarray(a, dtype=np.uint16))
 
 
+def random_shards(folder, seed, val, train, vocab=512):
+    """folder with random token ids below vocab: a val shard of val tokens, train shards of the
+    sizes in train."""
+    rng = np.random.default_rng(seed)
+    write_shards(folder, "val", [rng.integers(0, vocab, val)])
+    write_shards(folder, "train", [rng.integers(0, vocab, n) for n in train])
+    return folder
+
+
 def run_script(args, nproc=None, timeout=300):
     """Run train_gpt2.py as a user would: plain python, or real torchrun with nproc processes."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY, read_log, run_script, write_shards
+from conftest import ROOT, TINY, random_shards, read_log, run_script, write_shards
 from checkpoint import RESUME_KEYS
 
 MAX_STEPS = 120
@@ -27,11 +27,7 @@ COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=256"
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Shards that a 256-token step leaves mid-way: the runs change shard and wrap around."""
-    rng = np.random.default_rng(0)
-    folder = tmp_path_factory.mktemp("data")
-    write_shards(folder, "val", [rng.integers(0, 512, 600)])
-    write_shards(folder, "train", [rng.integers(0, 512, 256 * 7 + 50), rng.integers(0, 512, 256 * 5 + 8)])
-    return folder
+    return random_shards(tmp_path_factory.mktemp("data"), 0, 600, [256 * 7 + 50, 256 * 5 + 8])
 
 
 def args(data, log_dir, *extra):

@@ -5,7 +5,7 @@ import re
 import numpy as np
 import torch
 
-from conftest import TINY, read_log, run_script, write_shards
+from conftest import TINY, random_shards, read_log, run_script, write_shards
 from model import GPT, GPTConfig, cpu_has_bf16
 from test_hellaswag import make_examples, write_file
 from train_gpt2 import evaluate, load_val_tokens
@@ -154,10 +154,7 @@ def test_quick_start_pipeline(tmp_path):
 
 def test_hellaswag_in_training_same_for_any_world_size(tmp_path):
     """HellaSwag at each eval: 2 processes (examples i % 2 == rank, counts all-reduced) log what 1 logs."""
-    rng = np.random.default_rng(2)
-    data = tmp_path / "data"
-    write_shards(data, "val", [rng.integers(0, 50257, 300)])
-    write_shards(data, "train", [rng.integers(0, 50257, 1000)])
+    data = random_shards(tmp_path / "data", 2, 300, [1000], vocab=50257)
     write_file(tmp_path / "hella.jsonl", make_examples(31, seed=3))
     common = [*TINY, f"--data_root={data}", "--B=2", "--T=16", "--total_batch_size=64", "--max_steps=2",
               "--eval_interval=2", "--val_tokens=256", "--sample_interval=0", f"--hellaswag_file={tmp_path / 'hella.jsonl'}"]

@@ -1,0 +1,160 @@
+"""parallel="fsdp" against "ddp", and several nodes: real torchrun processes over gloo on CPU."""
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, random_shards, read_log, run_script
+from test_resume import _parent, assert_same
+
+STEPS = 16
+COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=128", f"--max_steps={STEPS}",
+          "--eval_interval=8", "--val_tokens=256", "--sample_interval=0", "--checkpoint_interval=8",
+          "--hellaswag=False", "--keep_checkpoints=0", "--max_lr=1e-3", "--min_lr=1e-4"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return random_shards(tmp_path_factory.mktemp("data"), 1, 600, [128 * 9 + 30, 128 * 9 + 5])
+
+
+def args(data, log_dir, *extra):
+    return [*COMMON, f"--data_root={data}", f"--log_dir={log_dir}", *extra]
+
+
+def ckpt(log_dir, step=STEPS):
+    return torch.load(os.path.join(log_dir, f"model_{step:05d}.pt"), map_location="cpu", weights_only=True)
+
+
+def state_mib(out):
+    """The 'parameters, gradients and optimizer state per rank' figure rank 0 printed."""
+    return float(re.search(r"parameters, gradients and optimizer state per rank: ([\d.]+) MiB", out).group(1))
+
+
+def run_two(data, tmp_path_factory, parallel):
+    log_dir = tmp_path_factory.mktemp(parallel)
+    r = run_script(args(data, log_dir, f"--parallel={parallel}"), nproc=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return log_dir, r.stdout
+
+
+@pytest.fixture(scope="module")
+def ddp2(data, tmp_path_factory):
+    return run_two(data, tmp_path_factory, "ddp")
+
+
+@pytest.fixture(scope="module")
+def fsdp2(data, tmp_path_factory):
+    return run_two(data, tmp_path_factory, "fsdp")
+
+
+def test_fsdp_matches_ddp(ddp2, fsdp2):
+    """Same losses and weights within float rounding (a reduce-scatter sums in its own order), and
+    FSDP holds about half the state per rank at 2 ranks."""
+    (ddp_dir, ddp_out), (fsdp_dir, fsdp_out) = ddp2, fsdp2
+    a, b = read_log(ddp_dir), read_log(fsdp_dir)
+    assert a.keys() == b.keys() == {"train", "val"} and a["train"].keys() == b["train"].keys() == set(range(STEPS))
+    for kind in a:
+        for step in a[kind]:
+            assert abs(a[kind][step] - b[kind][step]) <= 1e-5, (kind, step, a[kind][step], b[kind][step])
+    assert_same(ckpt(ddp_dir), ckpt(fsdp_dir), tol=1e-5)
+    assert ckpt(ddp_dir)["model"].keys() == ckpt(fsdp_dir)["model"].keys()  # one checkpoint format
+    assert state_mib(fsdp_out) <= 0.6 * state_mib(ddp_out), (state_mib(fsdp_out), state_mib(ddp_out))
+    assert re.search(r"error|Traceback", fsdp_out) is None
+
+
+def test_fsdp_checkpoint_resumes_on_one_process(fsdp2, data, tmp_path):
+    """An FSDP run's mid-run checkpoint, resumed by one plain process, ends where a one-process
+    run ends."""
+    one = tmp_path / "one"
+    r = run_script(args(data, one))
+    assert r.returncode == 0, r.stderr
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copy(os.path.join(fsdp2[0], "model_00008.pt"), resumed)
+    r = run_script(args(data, resumed))
+    assert r.returncode == 0, r.stderr
+    assert "resuming from" in r.stdout
+    assert_same(ckpt(one), ckpt(resumed), tol=1e-5)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_nodes(cmd_args, max_restarts=0):
+    """Two torchrun agents on this machine (--nnodes=2, one process each), meeting through c10d
+    rendezvous on 127.0.0.1, as two nodes would."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=test", f"--max-restarts={max_restarts}",
+           "train_gpt2.py", *cmd_args]
+    return [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True) for _ in range(2)]
+
+
+def finish(nodes, timeout=240):
+    outs = []
+    for p in nodes:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in nodes:
+                os.killpg(q.pid, signal.SIGKILL)
+            raise AssertionError("the two-node job hung")
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(outs)
+    return "\n".join(outs)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_nodes_match_one_node(parallel, ddp2, fsdp2, data, tmp_path):
+    """2 agents x 1 process = 1 agent x 2 processes, bit for bit."""
+    one_node = (ddp2 if parallel == "ddp" else fsdp2)[0]
+    finish(start_nodes(args(data, tmp_path, f"--parallel={parallel}")))
+    assert read_log(tmp_path) == read_log(one_node)
+    assert_same(ckpt(one_node), ckpt(tmp_path))
+
+
+def test_two_nodes_recover_from_a_dead_worker(fsdp2, data, tmp_path):
+    """A worker of one node killed mid-run, --max-restarts=1: both nodes restart their workers in a
+    new rendezvous, which resume from the last checkpoint; the run ends as an uninterrupted one."""
+    nodes = start_nodes(args(data, tmp_path, "--parallel=fsdp"), max_restarts=1)
+    t0, log = time.time(), tmp_path / "log.txt"
+    while not (log.exists() and "\n8 train " in "\n" + log.read_text()):  # model_00008.pt is on disk
+        assert time.time() - t0 < 180 and all(p.poll() is None for p in nodes), "no step 8"
+        time.sleep(0.005)
+    worker = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent(pid) == nodes[1].pid]
+    assert len(worker) == 1, worker
+    os.kill(worker[0], signal.SIGKILL)
+    out = finish(nodes)
+    assert out.count("resuming from") == 1, out
+    assert read_log(tmp_path) == read_log(fsdp2[0])
+    assert_same(ckpt(fsdp2[0]), ckpt(tmp_path))
+
+
+def test_fsdp_evals_hellaswag_and_samples_as_ddp(tmp_path):
+    """Under FSDP the evals run on a gathered copy of the whole model: the val loss, HellaSwag and
+    the samples come out as under DDP (samples token for token)."""
+    from test_hellaswag import make_examples, write_file
+    data = random_shards(tmp_path / "data", 2, 300, [1000], vocab=50257)
+    write_file(tmp_path / "hella.jsonl", make_examples(31, seed=3))
+    common = [*TINY, f"--data_root={data}", "--B=2", "--T=16", "--total_batch_size=64", "--max_steps=4",
+              "--eval_interval=2", "--val_tokens=256", "--sample_interval=2", "--sample_length=6",
+              f"--hellaswag_file={tmp_path / 'hella.jsonl'}"]
+    for parallel in ("ddp", "fsdp"):
+        r = run_script([*common, f"--log_dir={tmp_path / parallel}", f"--parallel={parallel}"], nproc=2)
+        assert r.returncode == 0, r.stdout + r.stderr
+    a, b = read_log(tmp_path / "ddp"), read_log(tmp_path / "fsdp")
+    assert sorted(b["hella"]) == [0, 2, 4] and a["hella"] == b["hella"]
+    assert all(abs(a["val"][s] - b["val"][s]) <= 1e-5 for s in a["val"])
+    samples = (tmp_path / "fsdp" / "samples.txt").read_text()
+    assert samples.count("sample 0:") == 2 and samples == (tmp_path / "ddp" / "samples.txt").read_text()
