@@ -11,6 +11,7 @@ evaluations; one training step with gradient accumulation; the loop that evaluat
 checkpoints and stops. Checkpoints, resuming and preemption are in checkpoint.py (the same command
 run again resumes; SIGTERM checkpoints and exits 75); docs/ddp.md walks through the DDP parts.
 """
+import gc
 import math
 import os
 import sys
@@ -215,12 +216,11 @@ def sample(model, step, device):
     generator = torch.Generator(device=device).manual_seed(42 + step)
     with autocast(device, dtype):
         out = model.generate(idx, sample_length, top_k=50, generator=generator)
-    texts = [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]  # padded ids are no text
-    lines = [f"step {step} sample {i}: {text!r}" for i, text in enumerate(texts)]
+    lines = [f"step {step} sample {i}: {enc.decode([t for t in row if t < enc.n_vocab])!r}"  # padded ids: no text
+             for i, row in enumerate(out.tolist())]
     print("\n".join(lines))
     with open(os.path.join(log_dir, 'samples.txt'), 'a') as f:
-        f.write("\n".join(lines) + "\n")
-    model.train()
+        f.write("\n".join(lines) + "\n")  # the model stays in eval mode until train_step's model.train()
 
 
 # -----------------------------------------------------------------------------
@@ -286,15 +286,14 @@ def main(argv=None):
         globals().update(config)
         code = run(config, rank, world, dev)
     except UserError as e:
-        if master:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(f"error: {e}" if master else 1)  # one line on stderr, exit code 1
     finally:
         if ddp:
             try:
                 if code is not None:
                     dist.barrier()  # no rank tears down while rank 0 still writes its last checkpoint
             finally:
+                gc.collect()  # FSDP's sharded tensors hold gloo work: free them while Python is whole
                 dist.destroy_process_group()
     if code:
         sys.exit(code)
