@@ -190,7 +190,7 @@ def bench_step(c, argv, device):
     """The trainer's step against build-nanogpt's, same model, dtype and batch, one process each."""
     if c['total_batch_size'] % (c['B'] * c['T']):
         sys.exit(f"error: total_batch_size={c['total_batch_size']} is not a multiple of B*T={c['B'] * c['T']}")
-    c = model_module.choose_precision(c, 0, 1, device)  # prints the precision chosen
+    c = train_gpt2.choose_precision(c, 0, 1, device)  # prints the precision chosen
     argv = [*argv, f"--dtype={c['dtype']}", f"--compile={c['compile']}"]  # the same choice in both processes
     ours = measure(argv, 'ours')
     base = measure(argv, 'baseline') if c['bench_baseline'] else None

@@ -1,5 +1,6 @@
 """
-The command line of train_gpt2.py: config files and --key=value overrides of its constants.
+The command line of train_gpt2.py: config files and --key=value overrides of its constants, and
+the "auto" values made concrete for the hardware (choose_precision).
 
     python train_gpt2.py config/gpt2_350M.py --max_steps=100 --dtype=float32
 
@@ -16,8 +17,9 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
-from model import PRECISIONS
+from model import PRECISIONS, cpu_has_bf16, resolve_dtype
 
 
 class UserError(Exception):
@@ -102,3 +104,21 @@ def check_config(c):
             torch.device(c['device'])
         except RuntimeError:
             raise UserError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {c['device']!r}") from None
+
+
+def choose_precision(config, rank, world, device):
+    """The config with dtype and compile made concrete for this device ("auto"), the same on every
+    rank; rank 0 says what it chose and why."""
+    dtype, why = resolve_dtype(config['dtype'], device)
+    if world > 1:  # every rank must compute alike: all take the least capable rank's choice
+        t = torch.tensor(PRECISIONS.index(dtype), device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        if PRECISIONS[t.item()] != dtype:
+            dtype, why = PRECISIONS[t.item()], 'auto: the choice of a rank whose hardware has less'
+    if rank == 0:
+        print(f"precision: {dtype} ({why}){', with loss scaling' if dtype == 'float16' else ''}")
+        if dtype == 'bfloat16' and torch.device(device).type == 'cpu' and not cpu_has_bf16():
+            print("warning: this CPU has no bf16 units: bfloat16 is emulated, ~100x slower than float32 (dtype='auto' "
+                  "picks float32 here)")
+    compiled = torch.device(device).type == 'cuda' if config['compile'] == 'auto' else config['compile']
+    return dict(config, dtype=dtype, compile=compiled)

@@ -27,8 +27,12 @@ def shard(model):
     return model
 
 
+def unwrapped(model):
+    return getattr(model, '_orig_mod', model)  # under torch.compile's wrapper
+
+
 def is_sharded(model):
-    return isinstance(getattr(model, '_orig_mod', model), FSDPModule)  # torch.compile'd or not
+    return isinstance(unwrapped(model), FSDPModule)
 
 
 def eval_copy(model, optimizer, device):
@@ -52,7 +56,7 @@ def set_grad_sync(model, sync):
     """Whether this micro-step's backward synchronises gradients across ranks: DDP's all-reduce or
     FSDP's reduce-scatter. Off for all micro-steps but the last: the gradients accumulate locally."""
     if is_sharded(model):
-        getattr(model, '_orig_mod', model).set_requires_gradient_sync(sync)
+        unwrapped(model).set_requires_gradient_sync(sync)
     else:
         model.require_backward_grad_sync = sync  # DDP reads it in forward, for the backward that follows
 
@@ -83,9 +87,8 @@ def full_state(model, optimizer, rank):
 def load_full_state(model, optimizer, model_state, opt_state):
     """Load full state dicts (every rank holds them: the checkpoint is read on every rank) into a
     sharded model and its optimizer: each rank keeps its own shards."""
-    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, p in params.items():
+        for name, p in model.named_parameters():
             p.copy_(distribute_tensor(model_state[name].to(p.device), p.device_mesh, p.placements, src_data_rank=None))
     order = [p for group in optimizer.param_groups for p in group['params']]
     state = {i: {k: distribute_tensor(v.to(order[i].device), order[i].device_mesh, order[i].placements,

@@ -6,12 +6,10 @@ weights move between this model and HF's GPT2LMHeadModel with only the Conv1D tr
 import ctypes
 import inspect
 import json
-import math
 import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
@@ -103,24 +101,6 @@ def resolve_dtype(dtype, device):
     # MPS: float16 gains memory but no arithmetic speed on Apple GPUs and needs loss scaling; bf16
     # needs macOS 14: float32 is the choice that works everywhere
     return 'float32', f'auto: float32 on {device.type}'
-
-
-def choose_precision(config, rank, world, device):
-    """The config with dtype and compile made concrete for this device ("auto"), the same on every
-    rank; rank 0 says what it chose and why."""
-    dtype, why = resolve_dtype(config['dtype'], device)
-    if world > 1:  # every rank must compute alike: all take the least capable rank's choice
-        t = torch.tensor(PRECISIONS.index(dtype), device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        if PRECISIONS[t.item()] != dtype:
-            dtype, why = PRECISIONS[t.item()], 'auto: the choice of a rank whose hardware has less'
-    if rank == 0:
-        print(f"precision: {dtype} ({why}){', with loss scaling' if dtype == 'float16' else ''}")
-        if dtype == 'bfloat16' and torch.device(device).type == 'cpu' and not cpu_has_bf16():
-            print("warning: this CPU has no bf16 units: bfloat16 is emulated, ~100x slower than float32 (dtype='auto' "
-                  "picks float32 here)")
-    compiled = torch.device(device).type == 'cuda' if config['compile'] == 'auto' else config['compile']
-    return dict(config, dtype=dtype, compile=compiled)
 
 
 def reuse_freed_memory():

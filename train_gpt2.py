@@ -25,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import fsdp
 import hellaswag as hs
-from configurator import UserError, parse_config
-from model import GPT, GPTConfig, autocast, choose_precision, reuse_freed_memory
+from configurator import UserError, choose_precision, parse_config
+from model import GPT, GPTConfig, autocast, reuse_freed_memory
 from shards import find_shards, load_val_tokens, open_shard
 
 # -----------------------------------------------------------------------------

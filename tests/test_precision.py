@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import configurator
 import model
 import train_gpt2
 from conftest import ROOT, read_log, run_script
@@ -48,10 +49,10 @@ def test_auto_picks_by_hardware(monkeypatch):
 
 def _agree(rank, store_path, out_path):
     """One rank: its hardware 'has' bf16 on rank 0 only; choose_precision must agree."""
-    model.resolve_dtype = lambda dtype, device: ("bfloat16", "x") if rank == 0 else ("float32", "y")
+    configurator.resolve_dtype = lambda dtype, device: ("bfloat16", "x") if rank == 0 else ("float32", "y")
     torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(store_path, 2), rank=rank,
                                          world_size=2)
-    c = model.choose_precision(dict(train_gpt2.DEFAULTS), rank, 2, "cpu")
+    c = configurator.choose_precision(dict(train_gpt2.DEFAULTS), rank, 2, "cpu")
     with open(f"{out_path}.{rank}", "w") as f:
         f.write(f"{c['dtype']} {c['compile']}")
     torch.distributed.destroy_process_group()
