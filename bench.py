@@ -5,6 +5,7 @@ Speed and memory of the training step, the instrument behind every speed claim o
     python bench.py --bench_loader_tokens=100000000   # the data loader's memory instead
     python bench.py config/demo_cpu.py --bench_hellaswag=True   # HellaSwag scoring speed instead
     python bench.py --bench_hellaswag_process=True   # python hellaswag.py vs build-nanogpt's loop, whole process
+    python bench.py --bench_profile=True   # on CUDA: then one step under torch.profiler, by kernel kind
 
 Takes the trainer's configuration (same constants, files and overrides; dtype and compile
 "auto" resolved as the trainer resolves them), runs bench_warmup + bench_steps optimizer steps of
@@ -172,8 +173,44 @@ def time_steps(c, role):
         step()
     sync(device)
     dt = (time.perf_counter() - t0) / c['bench_steps']
+    if c['bench_profile'] and role == 'ours' and device.startswith('cuda'):
+        profile_step(step, dt)
     print(json.dumps({'dt': dt, 'peak': peak_memory_mib(device), 'threads': torch.get_num_threads(), 'device': device,
                       'params': sum(p.numel() for p in model.parameters())}))
+
+
+# kernel name fragments -> where the time goes; the first match counts: attention before matmul
+# (cuDNN's attention kernels are named sm90_..._sdpa_..._flash), fused Triton kernels before
+# copies (their names list the ops fused, _to_copy among them)
+KERNEL_KINDS = (('attention', ('flash', 'fmha', 'sdpa')), ('matmul', ('gemm', 'nvjet', 'xmma', 'cutlass', 'cublas')),
+                ('optimizer', ('adam', 'multi_tensor')), ('communication', ('nccl',)),
+                ('fused elementwise/norm/loss', ('triton',)), ('copy/fill', ('memcpy', 'memset', 'copy', 'fill')))
+
+
+def kernel_kind(name):
+    return next((kind for kind, frags in KERNEL_KINDS if any(f in name.lower() for f in frags)), 'other')
+
+
+def profile_step(step, dt):
+    """One more step under torch.profiler: its GPU kernel time by kind and the 12 costliest kernels
+    (printed before the JSON line); what the kernels leave of the step's time is the GPU idle."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == 'CUDA']
+    own = lambda e: getattr(e, 'self_device_time_total', None) or getattr(e, 'self_cuda_time_total', 0)  # us
+    total = sum(own(e) for e in kernels) / 1e3
+    kinds = {}
+    for e in kernels:
+        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0) + own(e) / 1e3
+    print(f"profile of one step: {dt * 1e3:.1f} ms per step untraced; GPU kernels {total:.1f} ms, so the GPU is idle "
+          f"for ~{max(0.0, dt * 1e3 - total):.1f} ms of it")
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:30s} {ms:8.1f} ms  {ms / max(total, 1e-9):6.1%}")
+    print("costliest kernels (ms, calls):")
+    for e in sorted(kernels, key=own, reverse=True)[:12]:
+        print(f"  {own(e) / 1e3:8.1f} {e.count:6d}  {e.key[:110]}")
 
 
 def measure(argv, role):
@@ -183,7 +220,9 @@ def measure(argv, role):
                        capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"error: the {role} measurement failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    *profile, result = r.stdout.strip().splitlines()
+    print("\n".join(line for line in profile if line.startswith(('profile', '  ', 'costliest'))))
+    return json.loads(result)
 
 
 def bench_step(c, argv, device):
@@ -362,7 +401,8 @@ def bench_hellaswag_process(c):
 def main():
     defaults = dict(train_gpt2.DEFAULTS)
     defaults.update(bench_steps=5, bench_warmup=2, bench_loader_tokens=0, bench_baseline=True, bench_hellaswag=False,
-                    bench_role="", bench_hellaswag_process=False, bench_hellaswag_examples=500)
+                    bench_role="", bench_hellaswag_process=False, bench_hellaswag_examples=500,
+                    bench_profile=False)
     try:
         c = train_gpt2.parse_config(sys.argv[1:], defaults, __doc__)
     except train_gpt2.UserError as e:

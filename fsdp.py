@@ -15,6 +15,7 @@ tensor at a time, so rank 0 holds at most one full copy of the state, on the CPU
 format as DDP's, and the evals run on a plain copy of the whole model, made for them (eval_copy).
 """
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -24,6 +25,8 @@ def shard(model):
     for block in model.transformer.h:
         fully_shard(block)
     fully_shard(model)  # the rest: wte (= lm_head, one parameter), wpe, ln_f
+    if dist.get_rank() == 0:
+        print(f"fsdp: {len(model.transformer.h) + 1} units, each sharded over {dist.get_world_size()} process(es)")
     return model
 
 

