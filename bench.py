@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import model as model_module
 import train_gpt2
-from model import GPT, GPTConfig, flops_per_token
+from model import GPT, GPTConfig, flops_per_token, matmul_flops
 
 
 def sync(device):
@@ -43,22 +43,6 @@ def sync(device):
         torch.cuda.synchronize()
     elif device == 'mps':
         torch.mps.synchronize()
-
-
-def matmul_flops(device, dtype, n=None, reps=10):
-    """FLOP/s of an n x n @ n x n matmul in dtype on device (bf16/fp16 inputs, as autocast makes them)."""
-    n = n or (8192 if device.startswith('cuda') else 2048)
-    torch_dtype = model_module.AUTOCAST_DTYPES.get(dtype, torch.float32)
-    a = torch.randn(n, n, device=device, dtype=torch_dtype)
-    b = torch.randn(n, n, device=device, dtype=torch_dtype)
-    for _ in range(2):
-        a @ b
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync(device)
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
 
 
 class RandomTokens:

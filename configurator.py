@@ -21,6 +21,12 @@ import torch.distributed as dist
 
 from model import PRECISIONS, cpu_has_bf16, resolve_dtype
 
+# nanoGPT's and build-nanogpt's names for this trainer's constants
+NANOGPT_NAMES = {'learning_rate': 'max_lr', 'max_iters': 'max_steps', 'lr_decay_iters': 'max_steps',
+                 'warmup_iters': 'warmup_steps', 'batch_size': 'B', 'out_dir': 'log_dir', 'dataset': 'data_root',
+                 'gradient_accumulation_steps': 'total_batch_size', 'eval_iters': 'val_tokens',
+                 'sample_every': 'sample_interval', 'eval_every': 'eval_interval'}
+
 
 class UserError(Exception):
     """Bad configuration or data: reported as one line, without a traceback."""
@@ -36,7 +42,9 @@ def parse_config(argv, defaults, doc=""):
 
     def set_key(key, value, source):
         if key not in config:
-            close = difflib.get_close_matches(key, list(config), n=3, cutoff=0.0)
+            close = [NANOGPT_NAMES[key]] if key in NANOGPT_NAMES else []  # what nanoGPT users type
+            close += [k for k in difflib.get_close_matches(key, list(config), n=3, cutoff=0.0) if k not in close]
+            close = close[:3]
             raise UserError(f"unknown config key {key!r} in {source}; closest valid names: {', '.join(close)}")
         default = config[key]
         if isinstance(default, float) and type(value) is int:

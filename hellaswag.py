@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from atomic import atomic_write
 from configurator import UserError
-from model import autocast
+from model import autocast, load_model
 from tokenizer import get_gpt2_encoding
 
 URLS = {split: f"https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
@@ -275,33 +275,6 @@ def load_for_training(file, model, rank, world, device):
     return examples if found.item() else None
 
 
-class SkipInit(torch.overrides.TorchFunctionMode):
-    """Within it, the in-place torch.nn.init functions do nothing: for a model whose weights are
-    all loaded next (a missing one is an error), the random init of GPT-2 124M would be ~0.8 s
-    of a run's start."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, '__module__', None) == 'torch.nn.init' and func.__name__.endswith('_'):
-            return args[0] if args else kwargs['tensor']
-        return func(*args, **kwargs)
-
-
-def load_model(name, device):
-    """An OpenAI name, a HF model folder, or a train_gpt2.py checkpoint (.pt)."""
-    from model import GPT, GPTConfig
-    if name in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):  # through HF, which has its own init
-        return GPT.from_pretrained(name).to(device).eval()
-    with SkipInit():
-        if name.endswith('.pt'):
-            ckpt = torch.load(name, map_location='cpu', weights_only=True)
-            model = GPT(GPTConfig(**ckpt['config']))
-            model.load_state_dict(ckpt['model'])  # strict: every weight
-        else:
-            model = GPT.from_pretrained(name)  # every weight, or an error
-    return model.to(device).eval()
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--model', default='gpt2', help="gpt2 (or -medium, -large, -xl), a HF model folder, or a .pt checkpoint")
@@ -321,7 +294,10 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     if args.limit:
         examples = examples[:args.limit]
-    model = load_model(args.model, device)
+    try:
+        model = load_model(args.model, device)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
     from tqdm import tqdm
     rendered = [render_example(e) for e in tqdm(examples, desc="render", leave=False)]
     n = correct = correct_norm = 0

@@ -7,6 +7,7 @@ import ctypes
 import inspect
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -361,9 +362,70 @@ def load_hf_weights(model_dir):
     raise FileNotFoundError(f"{model_dir}: no model.safetensors or pytorch_model.bin (or their .index.json) found")
 
 
+class SkipInit(torch.overrides.TorchFunctionMode):
+    """Within it, the in-place torch.nn.init functions do nothing: for a model whose weights are
+    all loaded next (a missing one is an error), the random init of GPT-2 124M would be ~0.8 s
+    of a run's start."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, '__module__', None) == 'torch.nn.init' and func.__name__.endswith('_'):
+            return args[0] if args else kwargs['tensor']
+        return func(*args, **kwargs)
+
+
+def load_model(name, device):
+    """An OpenAI name, a HF model folder, or a train_gpt2.py checkpoint (.pt)."""
+    if name in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):  # through HF, which has its own init
+        return GPT.from_pretrained(name).to(device).eval()
+    with SkipInit():
+        if name.endswith('.pt'):
+            try:
+                ckpt = torch.load(name, map_location='cpu', weights_only=True, mmap=True)
+                model = GPT(GPTConfig(**ckpt['config']))
+                model.load_state_dict(ckpt['model'])  # strict: every weight
+            except (RuntimeError, KeyError, TypeError, AttributeError) as e:  # not a torch file, or not ours
+                raise ValueError(f"{name}: not a readable train_gpt2.py checkpoint ({type(e).__name__}: {e})") from None
+        else:
+            model = GPT.from_pretrained(name)  # every weight, or an error
+    return model.to(device).eval()
+
+
 def flops_per_token(config, T):
     """Model FLOPs to train on one token (forward + backward) at sequence length T: 6 per
     parameter that multiplies (the position table only adds), plus attention's QK^T and AV."""
     n = config.n_layer * 12 * config.n_embd ** 2 + config.vocab_size * config.n_embd
     attn = config.n_layer * 2 * 2 * T * config.n_embd  # QK^T and AV, each 2 * T * n_embd per token
     return 6 * n + 3 * attn
+
+
+# dense bf16/fp16 tensor-core peaks from NVIDIA's datasheets (FLOP/s), the first name that matches
+GPU_PEAK_FLOPS = (('H200', 989e12), ('H100 PCIe', 756e12), ('H100', 989e12), ('A100', 312e12), ('L40S', 362e12),
+                  ('A10G', 70e12), ('A10', 125e12), ('L4', 121e12), ('RTX 4090', 165e12), ('RTX 3090', 71e12),
+                  ('V100', 125e12), ('B200', 2250e12))
+
+
+def matmul_flops(device, dtype, n=None, reps=10):
+    """FLOP/s of an n x n @ n x n matmul in dtype on device (bf16/fp16 inputs, as autocast makes them)."""
+    n = n or (8192 if device.startswith('cuda') else 2048)
+    a, b = (torch.randn(n, n, device=device, dtype=AUTOCAST_DTYPES.get(dtype, torch.float32)) for _ in range(2))
+    sync = torch.cuda.synchronize if device.startswith('cuda') else torch.mps.synchronize if device == 'mps' else lambda: None
+    for _ in range(2):
+        a @ b
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+
+
+def peak_flops(device, dtype):
+    """(FLOP/s, where from) for MFU: a known NVIDIA GPU's datasheet peak in bf16/fp16, else a
+    small matmul measured now (CPUs, float32, other GPUs)."""
+    if device.startswith('cuda') and dtype in AUTOCAST_DTYPES:
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_FLOPS:
+            if key in name:
+                return flops, f"{name} datasheet"
+    return matmul_flops(device, dtype, n=512 if device == 'cpu' else 4096, reps=5), "measured matmul"

@@ -25,8 +25,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import fsdp
 import hellaswag as hs
+import run_record
 from configurator import UserError, choose_precision, parse_config
-from model import GPT, GPTConfig, autocast, reuse_freed_memory
+from model import GPT, GPTConfig, autocast, flops_per_token, peak_flops, reuse_freed_memory
+from sample import training_samples
 from shards import find_shards, load_val_tokens, open_shard
 
 # -----------------------------------------------------------------------------
@@ -71,6 +73,10 @@ compile = "auto"  # torch.compile the model: auto = on CUDA (slow to start, fast
 cpu_reuse_memory = True  # CPU on Linux: keep freed memory for reuse: ~10% faster steps for ~15% more peak RSS
 parallel = "ddp"  # with torchrun: "ddp" (a whole copy of the state per GPU) or "fsdp" (sharded: fsdp.py)
 seed = 1337
+# Weights & Biases (rank 0; the numbers of log.txt): pip install -r requirements-wandb.txt
+wandb_log = False
+wandb_project = "gpt2"
+wandb_run_name = "gpt2-124M"
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 
 
@@ -157,7 +163,7 @@ class DataLoaderLite:
 
 
 # -----------------------------------------------------------------------------
-# evaluation: val loss and HellaSwag (each rank its share, all-reduced), samples (rank 0)
+# evaluation: val loss and HellaSwag (each rank its share, all-reduced); samples: sample.py
 
 @torch.no_grad()  # and no graph per batch: each would hold its batch's activations and logits
 def evaluate(model, tokens, B, T, rank, world, device, dtype):
@@ -198,28 +204,11 @@ def run_evals(eval_model, raw_model, val_data, hella_data, step, rank, world, de
 
 
 def log(line):
-    """Rank 0: one line of log_dir/log.txt ("{step} train|val|hella|skip|overflow {value}")."""
+    """Rank 0: one line of log_dir/log.txt ("{step} train|val|hella|skip|overflow {value}"), and to W&B."""
     with open(os.path.join(log_dir, 'log.txt'), 'a') as f:
         f.write(line + '\n')
-
-
-def sample(model, step, device):
-    """Rank 0: 4 continuations of sample_prompt, printed and appended to log_dir/samples.txt."""
-    from tokenizer import get_gpt2_encoding
-    enc = get_gpt2_encoding()
-    if model.config.vocab_size < enc.n_vocab:
-        print(f"step {step}: no samples, vocab_size={model.config.vocab_size} is smaller than GPT-2's {enc.n_vocab}")
-        return
-    model.eval()
-    idx = torch.tensor([enc.encode(sample_prompt)] * 4, dtype=torch.long, device=device)
-    generator = torch.Generator(device=device).manual_seed(42 + step)
-    with autocast(device, dtype):
-        out = model.generate(idx, sample_length, top_k=50, generator=generator)
-    lines = [f"step {step} sample {i}: {enc.decode([t for t in row if t < enc.n_vocab])!r}"  # padded ids: no text
-             for i, row in enumerate(out.tolist())]
-    print("\n".join(lines))
-    with open(os.path.join(log_dir, 'samples.txt'), 'a') as f:
-        f.write("\n".join(lines) + "\n")  # the model stays in eval mode until train_step's model.train()
+    step, kind, value = line.split()
+    run_record.wandb_log(int(step), kind, float(value))
 
 
 # -----------------------------------------------------------------------------
@@ -284,6 +273,7 @@ def main(argv=None):
         config = choose_precision(config, rank, world, dev)
         globals().update(config)
         code = run(config, rank, world, dev)
+        run_record.wandb_finish()
     except UserError as e:
         sys.exit(f"error: {e}" if master else 1)  # one line on stderr, exit code 1
     finally:
@@ -353,6 +343,9 @@ def run(config, rank, world, device):
     hella_data = hs.load_for_training(hellaswag_file, raw_model, rank, world, device) if hellaswag and eval_interval > 0 else None
     if master:
         checkpoint.prepare_log_dir(log_dir, start, evaluated)
+        if wandb_log:
+            run_record.wandb_start(config, log_dir)
+    run_record.write(log_dir, config, start, ckpt_path, rank, world, device)  # log_dir/run.json
     return train(model, eval_model, raw_model, optimizer, scaler, train_loader, val_data, hella_data, start, evaluated,
                  bad_steps, grad_accum_steps, config, rank, world, device)
 
@@ -395,6 +388,9 @@ def train(model, eval_model, raw_model, optimizer, scaler, loader, val_data, hel
         return checkpoint.EXIT_PREEMPTED
 
     checkpoint.listen_for_sigterm()  # from here on SIGTERM only sets a flag, read at step boundaries
+    if master:  # MFU: model FLOPs per second over the peak of all processes' devices
+        fpt, (peak, peak_from) = flops_per_token(raw_model.config, T), peak_flops(device, dtype)
+        print(f"mfu: against {peak / 1e12:.1f} TFLOP/s per process ({peak_from}), {fpt / 1e6:.1f} MFLOP per token")
     for step in range(start, max_steps + 1):
         last_step = step == max_steps
         done = step == start and evaluated  # resumed from a checkpoint that did this step's evals
@@ -408,7 +404,7 @@ def train(model, eval_model, raw_model, optimizer, scaler, loader, val_data, hel
             evaluator = eval_model if plain is raw_model else plain  # DDP: the compiled module, if compiled
             val_loss = run_evals(evaluator, plain, val_data, hella_data, step, rank, world, device) if do_eval else None
             if do_sample and master:
-                sample(plain, step, device)
+                training_samples(plain, step, sample_prompt, sample_length, device, dtype, log_dir)
             del plain  # under FSDP its memory goes back before training goes on
             if do_checkpoint:
                 save(step, val_loss, True)
@@ -427,8 +423,11 @@ def train(model, eval_model, raw_model, optimizer, scaler, loader, val_data, hel
         if master and step == start:  # what this rank holds: whole tensors under DDP, shards under FSDP
             print(f"parameters, gradients and optimizer state per rank: {fsdp.state_mib(raw_model, optimizer):.1f} MiB")
         if master:
+            dt_avg = dt if step <= start + 1 else 0.9 * dt_avg + 0.1 * dt  # for the ETA; the first step compiles
+            eta = dt_avg * (max_steps - step - 1)  # training steps only, not the evals
             print(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm.item():.4f} | dt {dt * 1000:.2f}ms | "
-                  f"tok/sec {total_batch_size / dt:.2f}" +
+                  f"tok/sec {total_batch_size / dt:.2f} | mfu {total_batch_size / dt * fpt / (peak * world):.1%} | "
+                  f"eta {eta // 3600:.0f}h{eta % 3600 // 60:02.0f}m{eta % 60:02.0f}s" +
                   ("" if ok else f" | float16 overflow: update skipped, loss scale now {scaler.get_scale():g}" if overflow
                    else f" | non-finite: update skipped ({bad_steps} in a row, max_bad_steps={max_bad_steps})"))
             log(f"{step} train {loss:.6f}")

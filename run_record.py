@@ -1,0 +1,105 @@
+"""
+What a run leaves for the people who read it later, beside log.txt: log_dir/run.json, one entry
+per start or resume (the effective config, the code's git commit and whether the tree was
+modified, the versions of Python, torch, CUDA and NCCL, the devices, hosts and world size, the
+start time and step), and optional Weights & Biases logging (wandb_log = True), on rank 0.
+"""
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from atomic import atomic_write
+from configurator import UserError
+
+CODE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def git_state():
+    """(commit, modified) of the code's checkout; (None, None) outside git."""
+    def git(*args):
+        return subprocess.run(['git', '-C', CODE_DIR, *args], capture_output=True, text=True, timeout=10)
+    try:
+        head = git('rev-parse', 'HEAD')
+        if head.returncode != 0:
+            return None, None
+        status = git('status', '--porcelain', '--untracked-files=no')  # edits to tracked files
+        return head.stdout.strip(), bool(status.stdout.strip())
+    except (OSError, subprocess.TimeoutExpired):  # no git installed
+        return None, None
+
+
+def device_name(device):
+    if device.startswith('cuda'):
+        return torch.cuda.get_device_name(device)
+    if device == 'cpu':
+        caps = getattr(torch.cpu, 'get_capabilities', lambda: {})()
+        return caps.get('cpu_name') or platform.processor() or platform.machine()
+    return device
+
+
+def write(log_dir, config, start, resumed_from, rank, world, device):
+    """Append this start's entry to log_dir/run.json (rank 0 writes; every rank must call it:
+    the hosts and devices are gathered from all)."""
+    mine = {'host': socket.gethostname(), 'device': f"{device}: {device_name(device)}"}
+    ranks = [None] * world
+    if world > 1:
+        dist.all_gather_object(ranks, mine)
+    else:
+        ranks = [mine]
+    if rank != 0:
+        return
+    commit, modified = git_state()
+    entry = {
+        'started': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+        'start_step': start, 'resumed_from': resumed_from, 'command': sys.argv,
+        'git_commit': commit, 'git_modified': modified,
+        'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,
+        'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if device.startswith('cuda') else None,
+        'world_size': world, 'hosts': sorted({r['host'] for r in ranks}), 'devices': [r['device'] for r in ranks],
+        'config': config,
+    }
+    path = os.path.join(log_dir, 'run.json')
+    entries = []
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                entries = json.load(f)
+        except ValueError:  # never half-written (atomic), so edited by hand: keep it, start a new list
+            os.replace(path, path + '.unreadable')
+            print(f"warning: {path} was not valid JSON; moved to {path}.unreadable")
+    entries.append(entry)
+    atomic_write(path, lambda f: f.write(json.dumps(entries, indent=1).encode()))
+
+
+_wandb_run = None
+
+
+def wandb_start(config, log_dir):
+    """Rank 0, when wandb_log: a W&B run with the effective config (files under log_dir/wandb).
+    W&B's offline mode (WANDB_MODE=offline) works as online, with `wandb sync` later."""
+    global _wandb_run
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("wandb_log=True needs the wandb package: pip install -r requirements-wandb.txt") from None
+    _wandb_run = wandb.init(project=config['wandb_project'], name=config['wandb_run_name'], config=config,
+                            dir=log_dir)
+
+
+def wandb_finish():
+    """Upload (or, offline, write out) what is left; at the end of the run."""
+    if _wandb_run is not None:
+        _wandb_run.finish()
+
+
+def wandb_log(step, kind, value):
+    """The numbers of log.txt, as they are written there (train, val, hella, skip, overflow)."""
+    if _wandb_run is not None:
+        _wandb_run.log({kind: value}, step=step)

@@ -1,0 +1,96 @@
+"""
+Sample text from a GPT-2: a train_gpt2.py checkpoint, a HF GPT-2 folder or an OpenAI name.
+
+    python sample.py --model log/model_19073.pt --prompt "Hello, I'm a language model,"
+    python sample.py --model gpt2 --prompt FILE:prompt.txt --num_samples 3 --max_new_tokens 200 --top_k 200
+
+Generation is KV-cached (model.py's GPT.generate); each sample is printed, prompt included, as soon
+as it is done. The same --seed gives the same text on the same machine. Also the trainer's
+samples during a run (training_samples).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+from model import autocast, load_model, resolve_dtype
+from tokenizer import get_gpt2_encoding
+
+
+def encode_prompt(enc, prompt, model):
+    """Token ids of prompt (GPT-2's <|endoftext|> alone when it is empty, as GPT-2 starts
+    unconditional samples), checked against the model's vocabulary and length."""
+    if model.config.vocab_size < enc.n_vocab:
+        raise ValueError(f"the model's vocab_size={model.config.vocab_size} is smaller than GPT-2's {enc.n_vocab}: "
+                         f"its tokens are not GPT-2's")
+    ids = enc.encode(prompt) or [enc.eot_token]
+    return ids[-model.config.block_size:]  # generate keeps the last block_size tokens anyway
+
+
+def decode(enc, ids):
+    return enc.decode([t for t in ids if t < enc.n_vocab])  # a padded vocabulary's ids have no text
+
+
+@torch.no_grad()
+def training_samples(model, step, prompt, length, device, dtype, log_dir):
+    """The trainer's samples (rank 0): 4 continuations of prompt, printed and appended to
+    log_dir/samples.txt; seeded by the step, so a resumed run writes the same ones."""
+    enc = get_gpt2_encoding()
+    if model.config.vocab_size < enc.n_vocab:
+        print(f"step {step}: no samples, vocab_size={model.config.vocab_size} is smaller than GPT-2's {enc.n_vocab}")
+        return
+    model.eval()  # it stays so until train_step's model.train()
+    idx = torch.tensor([encode_prompt(enc, prompt, model)] * 4, dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(42 + step)
+    with autocast(device, dtype):
+        out = model.generate(idx, length, top_k=50, generator=generator)
+    lines = [f"step {step} sample {i}: {decode(enc, row)!r}" for i, row in enumerate(out.tolist())]
+    print("\n".join(lines))
+    with open(os.path.join(log_dir, 'samples.txt'), 'a') as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--model', default='gpt2', help="a .pt checkpoint, a HF GPT-2 folder, or gpt2/-medium/-large/-xl")
+    p.add_argument('--prompt', default="Hello, I'm a language model,", help="the text to continue, or FILE:path")
+    p.add_argument('--num_samples', type=int, default=4)
+    p.add_argument('--max_new_tokens', type=int, default=100)
+    p.add_argument('--temperature', type=float, default=1.0, help="< 1 sharper, > 1 more random")
+    p.add_argument('--top_k', type=int, default=50, help="sample among the k likeliest tokens; 0: all")
+    p.add_argument('--seed', type=int, default=1337)
+    p.add_argument('--device', default='auto', help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    p.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
+    args = p.parse_args(argv)
+    if args.num_samples < 1 or args.max_new_tokens < 1 or args.temperature <= 0 or args.top_k < 0:
+        sys.exit("error: --num_samples and --max_new_tokens must be at least 1, --temperature above 0, "
+                 "--top_k 0 or more")
+    prompt = args.prompt
+    if prompt.startswith('FILE:'):
+        try:
+            with open(prompt[5:], encoding='utf-8') as f:
+                prompt = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            sys.exit(f"error: --prompt {args.prompt}: cannot read it ({e})")
+    device = args.device
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    dtype, _ = resolve_dtype(args.dtype, device)
+    try:
+        model = load_model(args.model, device)
+        enc = get_gpt2_encoding()
+        ids = encode_prompt(enc, prompt, model)
+    except (ValueError, OSError, RuntimeError) as e:
+        sys.exit(f"error: {e}")
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    for i in range(args.num_samples):  # one at a time: each is printed when it is done
+        with autocast(device, dtype):
+            out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                                 generator=generator)
+        print(f"--- sample {i}\n{decode(enc, out[0].tolist())}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""What a run leaves and the tools that read it: plot.py, sample.py, export_hf.py, run.json, W&B,
+and the ETA and MFU on the console."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import export_hf
+import plot
+import sample
+from conftest import ROOT, TINY, random_shards, read_log, run_script
+from model import GPT
+
+ARGS = [*TINY, "--B=2", "--T=16", "--total_batch_size=64", "--eval_interval=3", "--val_tokens=64",
+        "--hellaswag=False", "--sample_interval=0", "--checkpoint_interval=3"]
+
+
+def tool(*args, env=None):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny CPU run of 6 steps with GPT-2's padded vocabulary (50304), resumed once from step 3."""
+    tmp = tmp_path_factory.mktemp("run")
+    data = random_shards(tmp / "data", 0, 2000, [2000])
+    log_dir = tmp / "log"
+    first = run_script([*ARGS, f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=3"])
+    assert first.returncode == 0, first.stderr
+    second = run_script([*ARGS, f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=6"])
+    assert second.returncode == 0, second.stderr
+    return log_dir, first.stdout + second.stdout
+
+
+# --- the console and run.json --------------------------------------------------------------------
+
+def test_step_line_shows_mfu_and_eta(run):
+    _, out = run
+    assert re.search(r"mfu: against [\d.]+ TFLOP/s per process \(measured matmul\)", out)
+    lines = re.findall(r"^step +(\d+) \| loss .* \| mfu ([\d.]+)% \| eta (\d+)h(\d\d)m(\d\d)s$", out, re.M)
+    assert [int(s) for s, *_ in lines] == list(range(6))
+    assert all(0 < float(m) < 100 for _, m, *_ in lines)
+    assert (int(lines[-1][2]), int(lines[-1][3]), int(lines[-1][4])) == (0, 0, 0)  # the last step: nothing left
+
+
+def test_run_json_records_each_start(run):
+    log_dir, _ = run
+    entries = json.loads((log_dir / "run.json").read_text())
+    assert [e["start_step"] for e in entries] == [0, 3]
+    assert entries[0]["resumed_from"] is None and entries[1]["resumed_from"].endswith("model_00003.pt")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    for e in entries:
+        assert e["git_commit"] == (head or None) and isinstance(e["git_modified"], (bool, type(None)))
+        assert e["torch"] == torch.__version__ and e["python"] == ".".join(map(str, sys.version_info[:3]))
+        assert e["world_size"] == 1 and len(e["hosts"]) == 1 and e["devices"][0].startswith("cpu: ")
+        assert e["config"]["n_embd"] == 32 and e["config"]["log_dir"] == str(log_dir)
+        assert {"started", "command", "cuda", "nccl"} <= e.keys()
+    assert entries[1]["config"]["max_steps"] == 6 and entries[0]["config"]["max_steps"] == 3
+
+
+def test_run_json_gathers_every_rank(tmp_path):
+    data = random_shards(tmp_path / "data", 0, 2000, [2000])
+    r = run_script([*ARGS, f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--max_steps=1"], nproc=2)
+    assert r.returncode == 0, r.stderr
+    (entry,) = json.loads((tmp_path / "log" / "run.json").read_text())
+    assert entry["world_size"] == 2 and len(entry["devices"]) == 2
+
+
+def wandb_records(path):
+    """The records of an offline W&B run file (run-*.wandb): a ':W&B' header of 7 bytes, then 32 KiB
+    blocks of chunks (crc32 4 bytes, length 2, type 1: 1 whole, 2 first, 3 middle, 4 last), each
+    record a wandb_internal_pb2.Record."""
+    import struct
+    from wandb.proto import wandb_internal_pb2 as pb
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def test_wandb_offline_logs_what_log_txt_has(tmp_path):
+    """wandb_log=True in W&B's offline mode: every number of log.txt, at its step, and the config."""
+    pytest.importorskip("wandb")
+    data = random_shards(tmp_path / "data", 0, 2000, [2000])
+    log_dir = tmp_path / "log"
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "train_gpt2.py", *ARGS, f"--data_root={data}", f"--log_dir={log_dir}",
+                        "--max_steps=4", "--wandb_log=True", "--wandb_project=test", "--wandb_run_name=tiny"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (path,) = (log_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    logged, runs = {}, []
+    for record in wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            for kind in ("train", "val", "hella", "skip", "overflow"):
+                if kind in items:
+                    logged.setdefault(kind, {})[items["_step"]] = items[kind]
+        elif record.WhichOneof("record_type") == "run":
+            runs.append(record.run)
+    assert logged == read_log(log_dir) and set(logged["train"]) == {0, 1, 2, 3}
+    assert runs[0].project == "test" and runs[0].display_name == "tiny"
+    config = {u.key: json.loads(u.value_json) for u in runs[0].config.update}
+    assert config["n_embd"] == 32 and config["wandb_log"] is True
+
+
+def test_wandb_is_not_imported_when_off(run, tmp_path):
+    data = random_shards(tmp_path / "data", 0, 2000, [2000])
+    code = ("import sys, train_gpt2; train_gpt2.main(sys.argv[1:]); "
+            "print('wandb imported:', 'wandb' in sys.modules)")
+    r = tool("-c", code, *ARGS, f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--max_steps=1")
+    assert r.returncode == 0, r.stderr
+    assert "wandb imported: False" in r.stdout
+
+
+# --- plot.py ---------------------------------------------------------------------------------------
+
+def test_plot_one_run(run, tmp_path):
+    log_dir, _ = run
+    out = tmp_path / "one.png"
+    panels = plot.plot([("log", plot.read_log(str(log_dir)))], str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    (loss_title, loss_lines), (hella_title, hella_lines) = panels
+    assert loss_title == "loss" and {"log train (smoothed)", "log val", "GPT-2 124M (OpenAI) val loss: 3.2924"} <= set(loss_lines)
+    assert hella_title == "HellaSwag acc_norm" and {"GPT-2 124M (OpenAI): 0.2945", "GPT-3 124M (paper): 0.337"} <= set(hella_lines)
+
+
+def test_plot_build_nanogpt_log_and_two_runs(run, tmp_path, capsys):
+    """build-nanogpt's log.txt (same line format, hella lines) and ours overlaid, each labelled by
+    its folder; a line that does not parse is skipped with a warning naming it."""
+    ours, _ = run
+    theirs = tmp_path / "nanogpt_run"
+    theirs.mkdir()
+    (theirs / "log.txt").write_text("0 val 10.9863\n0 hella 0.2468\n0 train 10.955424\n1 train 10.412341\n"
+                                    "this line is not a log line\n250 val 6.1238\n250 hella 0.2553\n")
+    curves = plot.read_log(str(theirs))
+    assert "log.txt:5" in capsys.readouterr().err
+    assert curves["train"] == ([0, 1], [10.955424, 10.412341]) and curves["hella"] == ([0, 250], [0.2468, 0.2553])
+    alone = tmp_path / "alone.png"
+    (_, loss_lines), (_, hella_lines) = plot.plot([("nanogpt_run", curves)], str(alone))
+    assert alone.stat().st_size > 10_000 and "nanogpt_run val" in loss_lines and "nanogpt_run" in hella_lines
+    out = tmp_path / "two.png"
+    r = tool("plot.py", str(ours), str(theirs), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert out.stat().st_size > 10_000 and "wrote" in r.stdout and "log, nanogpt_run" in r.stdout
+    (_, loss_lines), (_, hella_lines) = plot.plot([("log", plot.read_log(str(ours))), ("nanogpt_run", curves)],
+                                                  str(tmp_path / "again.png"))
+    assert {"log val", "nanogpt_run val", "log train (smoothed)", "nanogpt_run train (smoothed)"} <= set(loss_lines)
+    assert "nanogpt_run" in hella_lines
+
+
+def test_plot_errors(tmp_path):
+    r = tool("plot.py", str(tmp_path / "missing"), "--out", str(tmp_path / "x.png"))
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'missing'}: no such folder"
+    r = tool("plot.py", str(tmp_path), "--out", str(tmp_path / "x.png"))
+    assert r.returncode == 1 and "no log.txt in this folder" in r.stderr
+    (tmp_path / "log.txt").write_text("garbage\n")
+    r = tool("plot.py", str(tmp_path), "--out", str(tmp_path / "x.png"))
+    assert r.returncode == 1 and "no train, val or hella lines" in r.stderr
+    assert not (tmp_path / "x.png").exists()
+    assert tool("plot.py", "--help").returncode == 0
+
+
+# --- sample.py -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("hf")
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).save_pretrained(folder)
+    return folder
+
+
+def test_sample_is_seeded_for_a_checkpoint(run, tmp_path):
+    log_dir, _ = run
+    ckpt = str(log_dir / "model_00006.pt")
+    args = ["sample.py", "--model", ckpt, "--num_samples", "2", "--max_new_tokens", "12", "--device", "cpu",
+            "--dtype", "float32"]
+    a, b, c = tool(*args), tool(*args), tool(*args, "--seed", "7")
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and a.stdout != c.stdout
+    samples = a.stdout.split("--- sample ")[1:]
+    assert len(samples) == 2 and all(s.split("\n", 1)[1].startswith("Hello, I'm a language model,") for s in samples)
+    (tmp_path / "prompt.txt").write_text("Once upon a time")
+    d = tool(*args, "--prompt", f"FILE:{tmp_path / 'prompt.txt'}", "--num_samples", "1")
+    assert d.returncode == 0 and d.stdout.split("\n")[1].startswith("Once upon a time")
+
+
+def test_sample_matches_generate(run, capsys):
+    """The printed text is GPT.generate's continuation with the same generator, decoded."""
+    log_dir, _ = run
+    sample.main(["--model", str(log_dir / "model_00006.pt"), "--num_samples", "1", "--max_new_tokens", "10",
+                 "--device", "cpu", "--dtype", "float32", "--seed", "5", "--top_k", "20"])
+    printed = capsys.readouterr().out.split("\n", 1)[1].rstrip("\n")
+    from model import load_model
+    from tokenizer import get_gpt2_encoding
+    enc = get_gpt2_encoding()
+    model = load_model(str(log_dir / "model_00006.pt"), "cpu")
+    idx = torch.tensor([enc.encode("Hello, I'm a language model,")])
+    out = model.generate(idx, 10, top_k=20, generator=torch.Generator().manual_seed(5))
+    assert printed == sample.decode(enc, out[0].tolist())
+
+
+def test_sample_reads_hf_folders_and_openai_names(hf_dir, monkeypatch, capsys):
+    sample.main(["--model", str(hf_dir), "--num_samples", "1", "--max_new_tokens", "5", "--device", "cpu"])
+    from_folder = capsys.readouterr().out
+    assert from_folder.startswith("--- sample 0\nHello, I'm a language model,")
+    import transformers
+    asked = []
+    load = transformers.GPT2LMHeadModel.from_pretrained  # the download, here: the local folder
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", lambda name: asked.append(name) or load(hf_dir))
+    sample.main(["--model", "gpt2", "--num_samples", "1", "--max_new_tokens", "5", "--device", "cpu"])
+    assert asked == ["gpt2"] and capsys.readouterr().out == from_folder  # the same weights, the same text
+
+
+def test_sample_errors(tmp_path):
+    r = tool("sample.py", "--model", str(tmp_path / "none.pt"))
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "none.pt" in r.stderr and "Traceback" not in r.stderr
+    r = tool("sample.py", "--model", "gpt2", "--prompt", f"FILE:{tmp_path / 'nope.txt'}")
+    assert r.returncode == 1 and f"--prompt FILE:{tmp_path / 'nope.txt'}: cannot read it" in r.stderr
+    assert tool("sample.py", "--help").returncode == 0
+
+
+# --- export_hf.py ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory):
+    log_dir, _ = run
+    out = tmp_path_factory.mktemp("export") / "gpt2-tiny"
+    r = tool("export_hf.py", str(log_dir / "model_00006.pt"), str(out))
+    assert r.returncode == 0, r.stderr
+    return log_dir / "model_00006.pt", out
+
+
+def test_export_loads_in_transformers_with_the_same_logits(exported):
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+    ckpt, out = exported
+    assert {"config.json", "model.safetensors", "tokenizer.json", "vocab.json", "merges.txt"} <= set(os.listdir(out))
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert isinstance(hf, GPT2LMHeadModel) and hf.config.vocab_size == 50257
+    from model import load_model
+    ours = load_model(str(ckpt), "cpu")
+    assert ours.config.vocab_size == 50304
+    idx = torch.randint(0, 50257, (2, 24))
+    with torch.no_grad():
+        assert (hf(idx).logits - ours(idx)[0][..., :50257]).abs().max().item() < 1e-4
+
+
+def test_export_tokenizer_is_tiktokens_gpt2(exported, enc):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(exported[1])
+    for text in ["Hello, I'm a language model,", "  two spaces\tand\nnewlines ", "héllo wörld 日本語 🤖", "<|endoftext|>"]:
+        assert tok(text)["input_ids"] == enc.encode(text, allowed_special="all"), text
+        assert tok.decode(tok(text)["input_ids"]) == text
+    assert tok.eos_token_id == 50256
+
+
+def test_export_generates_in_a_pipeline_and_round_trips(exported):
+    from transformers import pipeline
+    ckpt, out = exported
+    gen = pipeline("text-generation", model=str(out), device="cpu")
+    text = gen("Hello, I'm a language model,", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    assert text.startswith("Hello, I'm a language model,") and len(text) > len("Hello, I'm a language model,")
+    back = GPT.from_pretrained(str(out))  # model.py's own HF loader
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)["model"]
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, saved[k][:50257] if k in ("transformer.wte.weight", "lm_head.weight") else saved[k]), k
+
+
+def test_export_errors(exported, run, tmp_path):
+    ckpt, out = exported
+    r = tool("export_hf.py", str(ckpt), str(out))
+    assert r.returncode == 1 and "already exists and is not an empty folder" in r.stderr
+    log_dir, _ = run
+    r = tool("export_hf.py", str(log_dir / "log.txt"), str(tmp_path / "x"))
+    assert r.returncode == 1 and "log.txt: not a readable train_gpt2.py checkpoint" in r.stderr
+    small = tmp_path / "small.pt"
+    torch.save({"config": {"vocab_size": 512, "block_size": 32, "n_layer": 1, "n_head": 1, "n_embd": 8}, "model": {}},
+               small)
+    r = tool("export_hf.py", str(small), str(tmp_path / "y"))
+    assert r.returncode == 1 and "vocab_size=512 is smaller than GPT-2's 50257" in r.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    assert tool("export_hf.py", "--help").returncode == 0
