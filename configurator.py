@@ -13,6 +13,7 @@ that names the closest valid ones.
 import ast
 import builtins
 import difflib
+import importlib.util
 import os
 import sys
 
@@ -95,6 +96,8 @@ def check_config(c):
             raise UserError(f"config key {key!r} must be >= 0, got {c[key]}")
     if c['keep_checkpoints'] < 0 or c['max_bad_steps'] < 1:
         raise UserError(f"keep_checkpoints must be >= 0 and max_bad_steps >= 1, got {c['keep_checkpoints']} and {c['max_bad_steps']}")
+    if c.get('wandb_log') and importlib.util.find_spec('wandb') is None:  # every rank stops, not rank 0 alone
+        raise UserError("wandb_log=True needs the wandb package: pip install -r requirements-wandb.txt")
     if c['parallel'] not in ('ddp', 'fsdp'):
         raise UserError(f"config key 'parallel' must be 'ddp' or 'fsdp', got {c['parallel']!r}")
     if c['resume'] not in ('auto', 'never'):

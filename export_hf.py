@@ -12,6 +12,7 @@ built from the local vocab.bpe/encoder.json that tokenizer.py uses: nothing is d
 import argparse
 import json
 import os
+import pickle
 import shutil
 import sys
 import tempfile
@@ -49,7 +50,7 @@ def gpt2_files():
     return folder
 
 
-def save_tokenizer(out_dir):
+def save_tokenizer(out_dir, max_length):
     """GPT-2's byte-level BPE, built from the local files with the tokenizers library, saved as a
     transformers tokenizer (tokenizer.json), plus vocab.json and merges.txt (the same two files
     under HF's names) for slow tokenizers. tokenizer_class GPT2Tokenizer: transformers 5 and 4
@@ -66,7 +67,7 @@ def save_tokenizer(out_dir):
     bpe.decoder = decoders.ByteLevel()
     bpe.post_processor = processors.ByteLevel(trim_offsets=False)
     PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOT, eos_token=EOT, unk_token=EOT,
-                            model_max_length=1024).save_pretrained(out_dir)
+                            model_max_length=max_length).save_pretrained(out_dir)
     shutil.copy(os.path.join(folder, 'encoder.json'), os.path.join(out_dir, 'vocab.json'))
     shutil.copy(os.path.join(folder, 'vocab.bpe'), os.path.join(out_dir, 'merges.txt'))
     path = os.path.join(out_dir, 'tokenizer_config.json')
@@ -83,15 +84,16 @@ def export(checkpoint, out_dir):
         raise ValueError(f"{out_dir}: already exists and is not an empty folder; remove it or choose another")
     try:
         ckpt = torch.load(checkpoint, map_location='cpu', weights_only=True, mmap=True)
-        config, state = ckpt['config'], ckpt['model']
-    except (OSError, RuntimeError, KeyError, TypeError) as e:  # missing, not a torch file, not ours
+        state, config = ckpt['model'], {k: ckpt['config'][k] for k in ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd')}
+    except (OSError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as e:  # missing, not ours
         raise ValueError(f"{checkpoint}: not a readable train_gpt2.py checkpoint ({type(e).__name__}: {e})") from None
     if config['vocab_size'] < N_VOCAB:
         raise ValueError(f"{checkpoint}: vocab_size={config['vocab_size']} is smaller than GPT-2's {N_VOCAB}: its "
                          f"tokens are not GPT-2's, so a GPT-2 tokenizer would not fit")
     hf_config = GPT2Config(vocab_size=N_VOCAB, n_positions=config['block_size'], n_embd=config['n_embd'],
                            n_layer=config['n_layer'], n_head=config['n_head'], activation_function='gelu_new',
-                           bos_token_id=N_VOCAB - 1, eos_token_id=N_VOCAB - 1, tie_word_embeddings=True)
+                           bos_token_id=N_VOCAB - 1, eos_token_id=N_VOCAB - 1, tie_word_embeddings=True,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # as trained: no dropout
     model = GPT2LMHeadModel(hf_config)
     missing, unexpected = model.load_state_dict(hf_state_dict(state, N_VOCAB), strict=False)
     missing = [k for k in missing if k != 'lm_head.weight' and not k.endswith(('.attn.bias', '.attn.masked_bias'))]
@@ -103,7 +105,13 @@ def export(checkpoint, out_dir):
     tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + '.tmp', dir=parent)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        save_tokenizer(tmp)
+        save_tokenizer(tmp, config['block_size'])
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; an export is for others to read
+        for name in os.listdir(tmp):  # on disk before the rename makes the folder visible
+            with open(os.path.join(tmp, name), 'rb+') as f:
+                os.fsync(f.fileno())
         os.replace(tmp, out_dir)  # fails if out_dir was made meanwhile and is not empty
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -7,6 +7,8 @@ import ctypes
 import inspect
 import json
 import os
+import pickle
+import re
 import time
 from dataclasses import dataclass
 
@@ -384,7 +386,7 @@ def load_model(name, device):
                 ckpt = torch.load(name, map_location='cpu', weights_only=True, mmap=True)
                 model = GPT(GPTConfig(**ckpt['config']))
                 model.load_state_dict(ckpt['model'])  # strict: every weight
-            except (RuntimeError, KeyError, TypeError, AttributeError) as e:  # not a torch file, or not ours
+            except (RuntimeError, KeyError, TypeError, AttributeError, pickle.UnpicklingError) as e:  # not ours
                 raise ValueError(f"{name}: not a readable train_gpt2.py checkpoint ({type(e).__name__}: {e})") from None
         else:
             model = GPT.from_pretrained(name)  # every weight, or an error
@@ -400,9 +402,9 @@ def flops_per_token(config, T):
 
 
 # dense bf16/fp16 tensor-core peaks from NVIDIA's datasheets (FLOP/s), the first name that matches
-GPU_PEAK_FLOPS = (('H200', 989e12), ('H100 PCIe', 756e12), ('H100', 989e12), ('A100', 312e12), ('L40S', 362e12),
-                  ('A10G', 70e12), ('A10', 125e12), ('L4', 121e12), ('RTX 4090', 165e12), ('RTX 3090', 71e12),
-                  ('V100', 125e12), ('B200', 2250e12))
+GPU_PEAK_FLOPS = (('H200', 989e12), ('H100 PCIe', 756e12), ('H100 NVL', 835e12), ('H100', 989e12), ('A100', 312e12),
+                  ('L40S', 362e12), ('L40', 181e12), ('A10G', 70e12), ('A10', 125e12), ('L4', 121e12),
+                  ('RTX 4090', 165e12), ('RTX 3090', 71e12), ('V100', 125e12), ('B200', 2250e12))
 
 
 def matmul_flops(device, dtype, n=None, reps=10):
@@ -425,7 +427,7 @@ def peak_flops(device, dtype):
     small matmul measured now (CPUs, float32, other GPUs)."""
     if device.startswith('cuda') and dtype in AUTOCAST_DTYPES:
         name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_FLOPS:
-            if key in name:
+        for key, flops in GPU_PEAK_FLOPS:  # the longer names first: 'L40' before 'L4'
+            if re.search(rf"\b{key}\b", name):
                 return flops, f"{name} datasheet"
     return matmul_flops(device, dtype, n=512 if device == 'cpu' else 4096, reps=5), "measured matmul"

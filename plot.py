@@ -10,6 +10,7 @@ HellaSwag 0.2945) and GPT-3 124M (HellaSwag 0.337), as build-nanogpt draws them.
 the PNG, needs no display.
 """
 import argparse
+import math
 import os
 import sys
 
@@ -49,11 +50,13 @@ def read_log(log_dir):
 
 
 def smooth(values, alpha=0.9):
-    """Exponential moving average, bias-corrected (the first values are not pulled towards 0)."""
-    out, avg = [], 0.0
-    for i, v in enumerate(values, 1):
-        avg = alpha * avg + (1 - alpha) * v
-        out.append(avg / (1 - alpha ** i))
+    """Exponential moving average, bias-corrected (the first values are not pulled towards 0);
+    non-finite values (a skipped step's nan) are passed over, not averaged in."""
+    out, avg, n = [], 0.0, 0
+    for v in values:
+        if math.isfinite(v):
+            avg, n = alpha * avg + (1 - alpha) * v, n + 1
+        out.append(avg / (1 - alpha ** n) if n else math.nan)
     return out
 
 
@@ -74,8 +77,8 @@ def plot(runs, out):
         if c['hella'][0]:
             ax_hella.plot(*c['hella'], color=color, marker='.', label=label)
     for ax, kind in ((ax_loss, 'val'), (ax_hella, 'hella')):
-        for (y, text), style in zip(REFERENCE[kind], ('r--', 'g--')):
-            ax.axhline(y, color=style[0], linestyle=':', linewidth=1, label=f"{text}: {y}")
+        for (y, text), color in zip(REFERENCE[kind], ('red', 'green')):
+            ax.axhline(y, color=color, linestyle=':', linewidth=1, label=f"{text}: {y}")
     if not any(c['hella'][0] for _, c in runs):
         ax_hella.text(0.5, 0.5, "no HellaSwag evals in these logs", ha='center', transform=ax_hella.transAxes)
     ax_loss.set(xlabel='step', ylabel='loss', title='loss')
@@ -104,8 +107,14 @@ def main(argv=None):
             sys.exit(f"error: {e}")
         if not any(values for _, values in curves.values()):
             sys.exit(f"error: {os.path.join(log_dir, 'log.txt')}: no train, val or hella lines")
-        runs.append((os.path.basename(os.path.normpath(log_dir)), curves))
-    plot(runs, args.out)
+        runs.append((os.path.normpath(log_dir), curves))
+    names = [os.path.basename(path) for path, _ in runs]
+    if len(set(names)) == len(names):  # the folder names, unless two runs share one (a/log, b/log)
+        runs = [(name, curves) for name, (_, curves) in zip(names, runs)]
+    try:
+        plot(runs, args.out)
+    except OSError as e:
+        sys.exit(f"error: cannot write --out {args.out}: {e}")
     print(f"wrote {args.out}: {', '.join(label for label, _ in runs)}")
 
 

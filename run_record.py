@@ -29,8 +29,8 @@ def git_state():
         head = git('rev-parse', 'HEAD')
         if head.returncode != 0:
             return None, None
-        status = git('status', '--porcelain', '--untracked-files=no')  # edits to tracked files
-        return head.stdout.strip(), bool(status.stdout.strip())
+        status = git('--no-optional-locks', 'status', '--porcelain', '--untracked-files=no')  # tracked files' edits
+        return head.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired):  # no git installed
         return None, None
 
@@ -63,7 +63,7 @@ def write(log_dir, config, start, resumed_from, rank, world, device):
         'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,
         'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if device.startswith('cuda') else None,
         'world_size': world, 'hosts': sorted({r['host'] for r in ranks}), 'devices': [r['device'] for r in ranks],
-        'config': config,
+        'wandb_run_id': _wandb_run.id if _wandb_run is not None else None, 'config': config,
     }
     path = os.path.join(log_dir, 'run.json')
     entries = []
@@ -71,9 +71,12 @@ def write(log_dir, config, start, resumed_from, rank, world, device):
         try:
             with open(path) as f:
                 entries = json.load(f)
-        except ValueError:  # never half-written (atomic), so edited by hand: keep it, start a new list
+            if not isinstance(entries, list):
+                raise ValueError("not a list")
+        except ValueError as e:  # never half-written (atomic), so edited by hand: keep it, start a new list
             os.replace(path, path + '.unreadable')
-            print(f"warning: {path} was not valid JSON; moved to {path}.unreadable")
+            print(f"warning: {path} was not a JSON list ({e}); moved to {path}.unreadable")
+            entries = []
     entries.append(entry)
     atomic_write(path, lambda f: f.write(json.dumps(entries, indent=1).encode()))
 
@@ -85,12 +88,13 @@ def wandb_start(config, log_dir):
     """Rank 0, when wandb_log: a W&B run with the effective config (files under log_dir/wandb).
     W&B's offline mode (WANDB_MODE=offline) works as online, with `wandb sync` later."""
     global _wandb_run
+    import wandb  # configurator.check_config made sure that every rank has it
     try:
-        import wandb
-    except ImportError:
-        raise UserError("wandb_log=True needs the wandb package: pip install -r requirements-wandb.txt") from None
-    _wandb_run = wandb.init(project=config['wandb_project'], name=config['wandb_run_name'], config=config,
-                            dir=log_dir)
+        _wandb_run = wandb.init(project=config['wandb_project'], name=config['wandb_run_name'], config=config,
+                                dir=log_dir)
+    except Exception as e:  # no login, no network (WANDB_MODE=offline needs neither), a bad setting
+        raise UserError(f"wandb_log=True: wandb.init failed ({type(e).__name__}: {e}); WANDB_MODE=offline logs "
+                        f"without a login or network, for `wandb sync` later") from None
 
 
 def wandb_finish():

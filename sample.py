@@ -25,7 +25,10 @@ def encode_prompt(enc, prompt, model):
         raise ValueError(f"the model's vocab_size={model.config.vocab_size} is smaller than GPT-2's {enc.n_vocab}: "
                          f"its tokens are not GPT-2's")
     ids = enc.encode(prompt) or [enc.eot_token]
-    return ids[-model.config.block_size:]  # generate keeps the last block_size tokens anyway
+    if len(ids) > model.config.block_size:  # generate would keep the last block_size tokens anyway
+        print(f"warning: the prompt's {len(ids)} tokens are more than block_size={model.config.block_size}: "
+              f"it continues the last {model.config.block_size}", file=sys.stderr)
+    return ids[-model.config.block_size:]
 
 
 def decode(enc, ids):
@@ -76,15 +79,14 @@ def main(argv=None):
     device = args.device
     if device == 'auto':
         device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
-    dtype, _ = resolve_dtype(args.dtype, device)
     try:
+        dtype, _ = resolve_dtype(args.dtype, device)
         model = load_model(args.model, device)
         enc = get_gpt2_encoding()
-        ids = encode_prompt(enc, prompt, model)
-    except (ValueError, OSError, RuntimeError) as e:
+        idx = torch.tensor([encode_prompt(enc, prompt, model)], dtype=torch.long, device=device)
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+    except (ValueError, OSError, RuntimeError, AssertionError) as e:  # AssertionError: torch without CUDA
         sys.exit(f"error: {e}")
-    idx = torch.tensor([ids], dtype=torch.long, device=device)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
     for i in range(args.num_samples):  # one at a time: each is printed when it is done
         with autocast(device, dtype):
             out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,

@@ -390,7 +390,7 @@ def train(model, eval_model, raw_model, optimizer, scaler, loader, val_data, hel
     checkpoint.listen_for_sigterm()  # from here on SIGTERM only sets a flag, read at step boundaries
     if master:  # MFU: model FLOPs per second over the peak of all processes' devices
         fpt, (peak, peak_from) = flops_per_token(raw_model.config, T), peak_flops(device, dtype)
-        print(f"mfu: against {peak / 1e12:.1f} TFLOP/s per process ({peak_from}), {fpt / 1e6:.1f} MFLOP per token")
+        print(f"mfu: against {peak / 1e12:.4g} TFLOP/s per process ({peak_from}), {fpt / 1e6:.4g} MFLOP per token")
     for step in range(start, max_steps + 1):
         last_step = step == max_steps
         done = step == start and evaluated  # resumed from a checkpoint that did this step's evals
@@ -423,11 +423,11 @@ def train(model, eval_model, raw_model, optimizer, scaler, loader, val_data, hel
         if master and step == start:  # what this rank holds: whole tensors under DDP, shards under FSDP
             print(f"parameters, gradients and optimizer state per rank: {fsdp.state_mib(raw_model, optimizer):.1f} MiB")
         if master:
-            dt_avg = dt if step <= start + 1 else 0.9 * dt_avg + 0.1 * dt  # for the ETA; the first step compiles
-            eta = dt_avg * (max_steps - step - 1)  # training steps only, not the evals
+            t_first = time.time() if step == start else t_first  # the first step compiles: the ETA starts after it
+            eta = round((dt if step == start else (time.time() - t_first) / (step - start)) * (max_steps - step - 1))
             print(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm.item():.4f} | dt {dt * 1000:.2f}ms | "
                   f"tok/sec {total_batch_size / dt:.2f} | mfu {total_batch_size / dt * fpt / (peak * world):.1%} | "
-                  f"eta {eta // 3600:.0f}h{eta % 3600 // 60:02.0f}m{eta % 60:02.0f}s" +
+                  f"eta {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s" +
                   ("" if ok else f" | float16 overflow: update skipped, loss scale now {scaler.get_scale():g}" if overflow
                    else f" | non-finite: update skipped ({bad_steps} in a row, max_bad_steps={max_bad_steps})"))
             log(f"{step} train {loss:.6f}")

@@ -40,12 +40,32 @@ def run(tmp_path_factory):
 # --- the console and run.json --------------------------------------------------------------------
 
 def test_step_line_shows_mfu_and_eta(run):
+    """MFU = tok/s x model FLOPs per token / peak, with the figures the run printed; the ETA counts
+    down to 0 at the last step."""
     _, out = run
-    assert re.search(r"mfu: against [\d.]+ TFLOP/s per process \(measured matmul\)", out)
-    lines = re.findall(r"^step +(\d+) \| loss .* \| mfu ([\d.]+)% \| eta (\d+)h(\d\d)m(\d\d)s$", out, re.M)
+    peaks = re.findall(r"mfu: against ([\d.e+]+) TFLOP/s per process \(measured matmul\), ([\d.e+]+) MFLOP per token",
+                       out)
+    assert len(peaks) == 2  # one per start
+    lines = re.findall(r"^step +(\d+) \| loss .* \| tok/sec ([\d.]+) \| mfu ([\d.]+)% \| eta (\d+)h(\d\d)m(\d\d)s$",
+                       out, re.M)
     assert [int(s) for s, *_ in lines] == list(range(6))
-    assert all(0 < float(m) < 100 for _, m, *_ in lines)
-    assert (int(lines[-1][2]), int(lines[-1][3]), int(lines[-1][4])) == (0, 0, 0)  # the last step: nothing left
+    for i, (step, tok_s, mfu, *_) in enumerate(lines):
+        peak, fpt = (float(v) for v in peaks[0 if int(step) < 3 else 1])
+        assert float(mfu) == pytest.approx(float(tok_s) * fpt * 1e6 / (peak * 1e12) * 100, rel=2e-3, abs=0.06)
+    assert tuple(map(int, lines[-1][3:])) == (0, 0, 0) and tuple(map(int, lines[2][3:])) == (0, 0, 0)
+    from model import GPTConfig, flops_per_token
+    assert float(peaks[0][1]) == pytest.approx(flops_per_token(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32,
+                                                                         vocab_size=50304), 16) / 1e6, rel=1e-3)
+
+
+@pytest.mark.parametrize("name,flops", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
+                                        ("NVIDIA H100 NVL", 835e12), ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10G", 70e12),
+                                        ("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12), ("Tesla V100-SXM2-16GB", 125e12)])
+def test_gpu_peak_table(monkeypatch, name, flops):
+    import model
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert model.peak_flops("cuda:0", "bfloat16") == (flops, f"{name} datasheet")
 
 
 def test_run_json_records_each_start(run):
@@ -54,8 +74,10 @@ def test_run_json_records_each_start(run):
     assert [e["start_step"] for e in entries] == [0, 3]
     assert entries[0]["resumed_from"] is None and entries[1]["resumed_from"].endswith("model_00003.pt")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
     for e in entries:
-        assert e["git_commit"] == (head or None) and isinstance(e["git_modified"], (bool, type(None)))
+        assert e["git_commit"] == (head or None) and e["git_modified"] == (bool(status) if head else None)
         assert e["torch"] == torch.__version__ and e["python"] == ".".join(map(str, sys.version_info[:3]))
         assert e["world_size"] == 1 and len(e["hosts"]) == 1 and e["devices"][0].startswith("cpu: ")
         assert e["config"]["n_embd"] == 32 and e["config"]["log_dir"] == str(log_dir)
@@ -118,9 +140,11 @@ def test_wandb_offline_logs_what_log_txt_has(tmp_path):
     assert runs[0].project == "test" and runs[0].display_name == "tiny"
     config = {u.key: json.loads(u.value_json) for u in runs[0].config.update}
     assert config["n_embd"] == 32 and config["wandb_log"] is True
+    (entry,) = json.loads((log_dir / "run.json").read_text())
+    assert entry["wandb_run_id"] and path.name == f"run-{entry['wandb_run_id']}.wandb"  # which W&B run it was
 
 
-def test_wandb_is_not_imported_when_off(run, tmp_path):
+def test_wandb_is_not_imported_when_off(tmp_path):
     data = random_shards(tmp_path / "data", 0, 2000, [2000])
     code = ("import sys, train_gpt2; train_gpt2.main(sys.argv[1:]); "
             "print('wandb imported:', 'wandb' in sys.modules)")
@@ -165,6 +189,19 @@ def test_plot_build_nanogpt_log_and_two_runs(run, tmp_path, capsys):
     assert "nanogpt_run" in hella_lines
 
 
+def test_smooth_passes_over_nan():
+    """The bias-corrected moving average, brute force: each finite value weighted (1 - a) a^age,
+    over the sum of the weights; a nan (a skipped step) is left out, not spread."""
+    values = [10.0, 9.0, float("nan"), 7.0, 6.5, 6.0]
+    a, finite = 0.9, []
+    expected = []
+    for v in values:
+        finite += [v] if v == v else []
+        w = [(1 - a) * a ** (len(finite) - 1 - j) for j in range(len(finite))]
+        expected.append(sum(wi * x for wi, x in zip(w, finite)) / sum(w))
+    assert plot.smooth(values, a) == pytest.approx(expected)
+
+
 def test_plot_errors(tmp_path):
     r = tool("plot.py", str(tmp_path / "missing"), "--out", str(tmp_path / "x.png"))
     assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'missing'}: no such folder"
@@ -174,6 +211,9 @@ def test_plot_errors(tmp_path):
     r = tool("plot.py", str(tmp_path), "--out", str(tmp_path / "x.png"))
     assert r.returncode == 1 and "no train, val or hella lines" in r.stderr
     assert not (tmp_path / "x.png").exists()
+    (tmp_path / "log.txt").write_text("0 train 10.9\n")
+    r = tool("plot.py", str(tmp_path), "--out", str(tmp_path / "no" / "such" / "x.png"))
+    assert r.returncode == 1 and "cannot write --out" in r.stderr
     assert tool("plot.py", "--help").returncode == 0
 
 
@@ -203,19 +243,16 @@ def test_sample_is_seeded_for_a_checkpoint(run, tmp_path):
     assert d.returncode == 0 and d.stdout.split("\n")[1].startswith("Once upon a time")
 
 
-def test_sample_matches_generate(run, capsys):
-    """The printed text is GPT.generate's continuation with the same generator, decoded."""
-    log_dir, _ = run
-    sample.main(["--model", str(log_dir / "model_00006.pt"), "--num_samples", "1", "--max_new_tokens", "10",
-                 "--device", "cpu", "--dtype", "float32", "--seed", "5", "--top_k", "20"])
+def test_greedy_sample_matches_hf_generate(hf_dir, capsys, enc):
+    """--top_k 1 is greedy decoding: the same tokens as HF transformers' generate on the same weights."""
+    from transformers import GPT2LMHeadModel
+    sample.main(["--model", str(hf_dir), "--num_samples", "1", "--max_new_tokens", "12", "--device", "cpu",
+                 "--dtype", "float32", "--top_k", "1"])
     printed = capsys.readouterr().out.split("\n", 1)[1].rstrip("\n")
-    from model import load_model
-    from tokenizer import get_gpt2_encoding
-    enc = get_gpt2_encoding()
-    model = load_model(str(log_dir / "model_00006.pt"), "cpu")
     idx = torch.tensor([enc.encode("Hello, I'm a language model,")])
-    out = model.generate(idx, 10, top_k=20, generator=torch.Generator().manual_seed(5))
-    assert printed == sample.decode(enc, out[0].tolist())
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    out = hf.generate(idx, max_new_tokens=12, do_sample=False, pad_token_id=50256)
+    assert printed == enc.decode(out[0].tolist())
 
 
 def test_sample_reads_hf_folders_and_openai_names(hf_dir, monkeypatch, capsys):
@@ -230,9 +267,22 @@ def test_sample_reads_hf_folders_and_openai_names(hf_dir, monkeypatch, capsys):
     assert asked == ["gpt2"] and capsys.readouterr().out == from_folder  # the same weights, the same text
 
 
+def nanogpt_checkpoint(path):
+    """A checkpoint as build-nanogpt saves it: its config as a pickled dataclass, which
+    weights_only loading refuses."""
+    from model import GPTConfig
+    torch.save({"model": {}, "config": GPTConfig(), "step": 0}, path)
+    return path
+
+
 def test_sample_errors(tmp_path):
     r = tool("sample.py", "--model", str(tmp_path / "none.pt"))
     assert r.returncode == 1 and r.stderr.startswith("error: ") and "none.pt" in r.stderr and "Traceback" not in r.stderr
+    r = tool("sample.py", "--model", str(nanogpt_checkpoint(tmp_path / "nanogpt.pt")))
+    assert r.returncode == 1 and "nanogpt.pt: not a readable train_gpt2.py checkpoint (UnpicklingError" in r.stderr
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    r = tool("sample.py", "--model", "gpt2", "--prompt", f"FILE:{tmp_path / 'latin1.txt'}")
+    assert r.returncode == 1 and "latin1.txt: cannot read it" in r.stderr
     r = tool("sample.py", "--model", "gpt2", "--prompt", f"FILE:{tmp_path / 'nope.txt'}")
     assert r.returncode == 1 and f"--prompt FILE:{tmp_path / 'nope.txt'}: cannot read it" in r.stderr
     assert tool("sample.py", "--help").returncode == 0
@@ -253,6 +303,9 @@ def test_export_loads_in_transformers_with_the_same_logits(exported):
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel
     ckpt, out = exported
     assert {"config.json", "model.safetensors", "tokenizer.json", "vocab.json", "merges.txt"} <= set(os.listdir(out))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out).st_mode & 0o777 == 0o777 & ~umask  # readable by others as any folder made here
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert isinstance(hf, GPT2LMHeadModel) and hf.config.vocab_size == 50257
     from model import load_model
@@ -296,5 +349,7 @@ def test_export_errors(exported, run, tmp_path):
                small)
     r = tool("export_hf.py", str(small), str(tmp_path / "y"))
     assert r.returncode == 1 and "vocab_size=512 is smaller than GPT-2's 50257" in r.stderr
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    r = tool("export_hf.py", str(nanogpt_checkpoint(tmp_path / "nanogpt.pt")), str(tmp_path / "z"))
+    assert r.returncode == 1 and "nanogpt.pt: not a readable train_gpt2.py checkpoint (UnpicklingError" in r.stderr
+    assert not any((tmp_path / d).exists() for d in "xyz")
     assert tool("export_hf.py", "--help").returncode == 0
