@@ -35,14 +35,7 @@ import torch.nn.functional as F
 
 import model as model_module
 import train_gpt2
-from model import GPT, GPTConfig, flops_per_token, matmul_flops
-
-
-def sync(device):
-    if device.startswith('cuda'):
-        torch.cuda.synchronize()
-    elif device == 'mps':
-        torch.mps.synchronize()
+from model import GPT, GPTConfig, flops_per_token, matmul_flops, sync
 
 
 class RandomTokens:

@@ -34,8 +34,8 @@ import torch
 
 import hellaswag as hs
 import train_gpt2
-from bench import sync, write_synthetic_hellaswag
-from model import GPT, GPTConfig, flops_per_token, matmul_flops
+from bench import write_synthetic_hellaswag
+from model import GPT, GPTConfig, flops_per_token, matmul_flops, sync
 
 
 def time_evals(c, config, device, n_examples):

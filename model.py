@@ -407,18 +407,25 @@ GPU_PEAK_FLOPS = (('H200', 989e12), ('H100 PCIe', 756e12), ('H100 NVL', 835e12),
                   ('RTX 4090', 165e12), ('RTX 3090', 71e12), ('V100', 125e12), ('B200', 2250e12))
 
 
+def sync(device):
+    """Wait for the device's queued work (for timing)."""
+    if device.startswith('cuda'):
+        torch.cuda.synchronize()
+    elif device == 'mps':
+        torch.mps.synchronize()
+
+
 def matmul_flops(device, dtype, n=None, reps=10):
     """FLOP/s of an n x n @ n x n matmul in dtype on device (bf16/fp16 inputs, as autocast makes them)."""
     n = n or (8192 if device.startswith('cuda') else 2048)
     a, b = (torch.randn(n, n, device=device, dtype=AUTOCAST_DTYPES.get(dtype, torch.float32)) for _ in range(2))
-    sync = torch.cuda.synchronize if device.startswith('cuda') else torch.mps.synchronize if device == 'mps' else lambda: None
     for _ in range(2):
         a @ b
-    sync()
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
-    sync()
+    sync(device)
     return 2 * n ** 3 * reps / (time.perf_counter() - t0)
 
 

@@ -40,11 +40,13 @@ def training_samples(model, step, prompt, length, device, dtype, log_dir):
     """The trainer's samples (rank 0): 4 continuations of prompt, printed and appended to
     log_dir/samples.txt; seeded by the step, so a resumed run writes the same ones."""
     enc = get_gpt2_encoding()
-    if model.config.vocab_size < enc.n_vocab:
-        print(f"step {step}: no samples, vocab_size={model.config.vocab_size} is smaller than GPT-2's {enc.n_vocab}")
+    try:
+        ids = encode_prompt(enc, prompt, model)
+    except ValueError as e:  # a model with a smaller vocabulary than GPT-2's
+        print(f"step {step}: no samples: {e}")
         return
     model.eval()  # it stays so until train_step's model.train()
-    idx = torch.tensor([encode_prompt(enc, prompt, model)] * 4, dtype=torch.long, device=device)
+    idx = torch.tensor([ids] * 4, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(42 + step)
     with autocast(device, dtype):
         out = model.generate(idx, length, top_k=50, generator=generator)
