@@ -17,12 +17,13 @@ import os
 import sys
 import urllib.request
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
 from atomic import atomic_write
 from configurator import UserError
-from model import autocast, load_model
+from model import autocast, load_model, reuse_freed_memory
 from tokenizer import get_gpt2_encoding
 
 URLS = {split: f"https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
@@ -200,18 +201,19 @@ def ending_losses(model, rendered, device, dtype="float32"):
     cross-entropy in float32."""
     trees = [prefix_tree(tokens, mask, model.config.block_size) for tokens, mask, _ in rendered]
     B, T = len(trees), max(len(idx) for idx, _, _, _ in trees)
-    allowed = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)  # padding attends to itself only
-    idx, pos, slots, see, targets = [], [], [], [], []
+    allowed = np.zeros((B, T, T), dtype=bool)  # (B, T, T): row = a node, True at its ancestors and itself
+    allowed[:, range(T), range(T)] = True  # padding attends to itself only
+    idx, pos, slots, targets = [], [], [], []
     for b, (i, p, parent, tg) in enumerate(trees):
-        ancestors = []
-        for node, up in enumerate(parent):  # parents come before their children
-            ancestors.append((ancestors[up] if up >= 0 else []) + [node])
-            see += [(b, node, a) for a in ancestors[node]]
+        see = allowed[b]
+        for node, up in enumerate(parent):  # parents come before their children: their rows are done
+            if up >= 0:
+                see[node, :up + 1] |= see[up, :up + 1]  # numpy rows: 0.05 s per 500 examples
         targets += [(len(idx) + node, token, 4 * b + r) for node, token, r in tg]
         idx += i
         pos += p
         slots += range(b * T, b * T + len(i))
-    allowed[tuple(torch.tensor(see).T)] = True
+    allowed = torch.from_numpy(allowed)
     nodes, tokens, rows = torch.tensor(targets, device=device).T
     used, at = torch.unique(nodes, return_inverse=True)  # the output layer once per predicting node
     idx, pos, slots = (torch.tensor(a, device=device) for a in (idx, pos, slots))
@@ -289,6 +291,8 @@ def main(argv=None):
     device = args.device
     if device == 'auto':
         device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    if device == 'cpu':
+        reuse_freed_memory()  # no page faults per forward: ~4% faster (500 examples, 124M, 2 cores)
     try:
         examples = list(iterate_examples(args.split, args.file))
     except HellaSwagError as e:
