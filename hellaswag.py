@@ -136,7 +136,8 @@ def linear(x, weight, bias=None, gelu=False):
     """F.linear, then GPT-2's GELU in place if gelu. On CPU in float32 the matmul goes through
     oneDNN: HellaSwag scores ~7% faster than with torch's default float32 matmul (MKL, which keeps
     to AVX2 on AMD CPUs). The GELU stays a pass of its own: oneDNN's fused GELU epilogue made the
-    whole evaluation ~5% slower with AVX2 kernels and no faster with AVX-512 (200 examples, 124M)."""
+    whole evaluation ~5% slower with AVX2 kernels, and with AVX-512 its 1-2% gain was within the
+    run-to-run noise (500 examples, 124M, 2 cores)."""
     if FUSED_LINEAR and x.is_cpu and x.dtype == torch.float32 and not torch.is_autocast_enabled('cpu'):
         y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     else:
