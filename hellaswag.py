@@ -11,28 +11,29 @@ Rows are rendered as build-nanogpt renders them (context tokens, then " " + endi
 over the ending, right-padded), so the figures compare with its published ones.
 """
 import argparse
+import contextlib
+import functools
 import http.client
 import json
 import os
+import random
 import sys
 import urllib.request
 
 import numpy as np
 import torch
+import torch.nn as nn
 from torch.nn import functional as F
 
 from atomic import atomic_write
-from configurator import UserError
-from model import autocast, load_model, reuse_freed_memory
-from tokenizer import get_gpt2_encoding
+from errors import UserError
+from hardware import autocast, pick_device, reuse_freed_memory
+from model import PackedTokens, load_model
+from tokenizer import N_VOCAB, get_gpt2_encoding
 
 URLS = {split: f"https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
         for split in ("train", "val", "test")}
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hellaswag")
-
-
-class HellaSwagError(UserError):
-    """No data, or bad data: one line that names the file and what to do."""
 
 
 def download(split, cache_dir=CACHE_DIR, url=None):
@@ -57,8 +58,8 @@ def download(split, cache_dir=CACHE_DIR, url=None):
         os.makedirs(cache_dir, exist_ok=True)
         atomic_write(path, fetch)
     except (OSError, http.client.HTTPException) as e:
-        raise HellaSwagError(f"could not download {url} ({type(e).__name__}: {e}); put hellaswag_{split}.jsonl "
-                             f"in {cache_dir}, or pass its path (--file)") from None
+        raise UserError(f"could not download {url} ({type(e).__name__}: {e}); put hellaswag_{split}.jsonl "
+                        f"in {cache_dir}, or pass its path (--file)") from None
     return path
 
 
@@ -66,7 +67,7 @@ def iterate_examples(split="val", file=None, cache_dir=CACHE_DIR):
     """The examples of a HellaSwag jsonl file (file, else the cached/downloaded split), checked."""
     path = file or download(split, cache_dir)
     if not os.path.isfile(path):
-        raise HellaSwagError(f"{path}: no such file (expected HellaSwag jsonl, one example per line)")
+        raise UserError(f"{path}: no such file (expected HellaSwag jsonl, one example per line)")
     with open(path, encoding='utf-8') as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -74,14 +75,14 @@ def iterate_examples(split="val", file=None, cache_dir=CACHE_DIR):
             try:
                 example = json.loads(line)
             except json.JSONDecodeError as e:
-                raise HellaSwagError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(example, dict) or not isinstance(example.get('ctx'), str):
-                raise HellaSwagError(f"{path}:{lineno}: expected an object with a string 'ctx'")
+                raise UserError(f"{path}:{lineno}: expected an object with a string 'ctx'")
             endings = example.get('endings')
             if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
-                raise HellaSwagError(f"{path}:{lineno}: expected 4 string endings, got {endings!r:.100}")
+                raise UserError(f"{path}:{lineno}: expected 4 string endings, got {endings!r:.100}")
             if example.get('label') not in (0, 1, 2, 3):
-                raise HellaSwagError(f"{path}:{lineno}: label must be 0..3, got {example.get('label')!r}")
+                raise UserError(f"{path}:{lineno}: label must be 0..3, got {example.get('label')!r}")
             yield example
 
 
@@ -112,7 +113,7 @@ def prefix_tree(tokens, mask, block_size):
         start, n = m.index(1), len(m) - m[::-1].index(1)  # the ending is row[start:n]
         cut = max(0, n - block_size)
         if start < cut:
-            raise HellaSwagError(f"an ending of {n - start} tokens does not fit in block_size={block_size}")
+            raise UserError(f"an ending of {n - start} tokens does not fit in block_size={block_size}")
         row, start = row[cut:n], start - cut
         node = -1
         for j in range(len(row) - 1):
@@ -132,60 +133,45 @@ def prefix_tree(tokens, mask, block_size):
 FUSED_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, '_linear_pointwise')
 
 
-def linear(x, weight, bias=None, gelu=False):
-    """F.linear, then GPT-2's GELU in place if gelu. On CPU in float32 the matmul goes through
-    oneDNN: HellaSwag scores ~7% faster than with torch's default float32 matmul (MKL, which keeps
-    to AVX2 on AMD CPUs). The GELU stays a pass of its own: oneDNN's fused GELU epilogue made the
-    whole evaluation ~5% slower with AVX2 kernels, and with AVX-512 its 1-2% gain was within the
-    run-to-run noise (500 examples, 124M, 2 cores)."""
-    if FUSED_LINEAR and x.is_cpu and x.dtype == torch.float32 and not torch.is_autocast_enabled('cpu'):
-        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    else:
-        y = F.linear(x, weight, bias)
-    return torch.ops.aten.gelu_(y, approximate='tanh') if gelu else y
+def onednn_linear(layer, x):
+    """layer(x), through oneDNN on CPU in float32 without autocast, else as nn.Linear does."""
+    if x.is_cpu and x.dtype == torch.float32 and not torch.is_autocast_enabled('cpu'):
+        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+    return F.linear(x, layer.weight, layer.bias)
 
 
-def tree_hidden_states(model, idx, pos, slots, allowed, need):
-    """The final hidden states (len(need), n_embd) of the tokens need, for packed prefix trees:
-    idx and pos (N,) hold the tokens of B trees end to end and their positions; slots (N,) their
-    places in a (B, T) layout, where each attends to the tokens allowed (B, 1, T, T), its ancestors
-    and itself. The per-token layers run on the N tokens only (no padding), attention on the
-    (B, T) layout; the last block's output only where need asks (the output layer reads nothing
-    else). The model's own blocks and weights: the attention is written out here because the
-    model's knows only causal masks."""
-    t = model.transformer
-    x = t.wte(idx) + t.wpe(pos)  # (N, n_embd)
-    C, (B, _, T, _) = x.size(1), allowed.shape
-    padded = None
-    for i, block in enumerate(t.h):
-        attn, mlp = block.attn, block.mlp
-        qkv = linear(block.ln_1(x), attn.c_attn.weight, attn.c_attn.bias)  # (N, 3 * n_embd)
-        if padded is None:  # padding stays zero: no token attends to it
-            padded = qkv.new_zeros(B * T, 3 * C)
-        padded.index_copy_(0, slots, qkv)
-        q, k, v = padded.view(B, T, 3, attn.n_head, C // attn.n_head).permute(2, 0, 3, 1, 4)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2).reshape(B * T, C)
-        if i == len(t.h) - 1:  # the last block: only the rows the output layer reads
-            x, slots = x[need], slots[need]
-        x = x + linear(y[slots], attn.c_proj.weight, attn.c_proj.bias)
-        h = linear(block.ln_2(x), mlp.c_fc.weight, mlp.c_fc.bias, gelu=True)  # (N, 4 * n_embd)
-        x = x + linear(h, mlp.c_proj.weight, mlp.c_proj.bias)
-    return t.ln_f(x)
+@contextlib.contextmanager
+def blocks_through_onednn(model):
+    """Within it, the nn.Linear layers of the model's blocks multiply through oneDNN on CPU in
+    float32: HellaSwag scores faster than with torch's default float32 matmul (MKL, which keeps
+    to AVX2 on AMD CPUs). The GELU stays the model's own pass (oneDNN's fused GELU epilogue was
+    no faster), and the output layer keeps torch's matmul (token_losses). docs/benchmarks.md has
+    the figures. The layers' own forward is back on the way out."""
+    w = model.lm_head.weight
+    on = FUSED_LINEAR and w.is_cpu and w.dtype == torch.float32 and not torch.is_autocast_enabled('cpu')
+    layers = [m for m in model.transformer.h.modules() if isinstance(m, nn.Linear)] if on else []  # else as it is
+    try:
+        for layer in layers:
+            layer.forward = functools.partial(onednn_linear, layer)  # the instance's, before the class's
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop('forward', None)
 
 
 def token_losses(model, h, rows, targets, device, dtype):
     """-log p(targets[i]) from the output layer applied to h[rows[i]] (h: (N, n_embd)), in
     float32. On CPU the logits go 512 words of the vocabulary at a time: each (N, 512) block
-    stays in cache from the matmul through its log-sum-exp (about 1.7x faster than whole rows),
-    and a target's logit is picked from its block."""
+    stays in cache from the matmul through its log-sum-exp (faster than whole rows:
+    docs/benchmarks.md), and a target's logit is picked from its block."""
     weight = model.lm_head.weight  # (vocab, n_embd); the output layer has no bias
     V = weight.size(0)
     chunk = 512 if h.device.type == 'cpu' else V
     lse = torch.empty(len(h), (V + chunk - 1) // chunk, device=device)
     picked = torch.empty(len(targets), device=device)
     for c, v in enumerate(range(0, V, chunk)):
-        with autocast(device, dtype):  # torch's own matmul (MKL) here: with AVX2 kernels ~3% faster overall than
-            logits = F.linear(h, weight[v:v + chunk])  # oneDNN's for these thin products; the same with AVX-512
+        with autocast(device, dtype):  # torch's own matmul (MKL) here: faster than oneDNN for these thin products
+            logits = F.linear(h, weight[v:v + chunk])
         logits = logits.float()  # no copy in float32
         lse[:, c] = torch.logsumexp(logits, dim=1)
         here = (targets >= v) & (targets < v + chunk)
@@ -209,7 +195,7 @@ def ending_losses(model, rendered, device, dtype="float32"):
         see = allowed[b]
         for node, up in enumerate(parent):  # parents come before their children: their rows are done
             if up >= 0:
-                see[node, :up + 1] |= see[up, :up + 1]  # numpy rows: 0.05 s per 500 examples
+                see[node, :up + 1] |= see[up, :up + 1]  # numpy rows: faster than torch's here
         targets += [(len(idx) + node, token, 4 * b + r) for node, token, r in tg]
         idx += i
         pos += p
@@ -218,8 +204,9 @@ def ending_losses(model, rendered, device, dtype="float32"):
     nodes, tokens, rows = torch.tensor(targets, device=device).T
     used, at = torch.unique(nodes, return_inverse=True)  # the output layer once per predicting node
     idx, pos, slots = (torch.tensor(a, device=device) for a in (idx, pos, slots))
-    with autocast(device, dtype):
-        h = tree_hidden_states(model, idx, pos, slots, allowed[:, None].to(device), used)
+    packed = PackedTokens(pos, slots, allowed[:, None].to(device), keep=used)
+    with autocast(device, dtype), blocks_through_onednn(model):
+        h = model.hidden_states(idx, packed=packed)  # (len(used), n_embd)
     losses = token_losses(model, h, at, tokens, device, dtype)
     sum_loss = torch.zeros(4 * B, device=device).index_add_(0, rows, losses)
     count = torch.zeros(4 * B, device=device).index_add_(0, rows, torch.ones_like(losses))
@@ -250,33 +237,50 @@ def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_ex
     return n, correct, correct_norm
 
 
-@torch.no_grad()
-def load_for_training(file, model, rank, world, device):
+def load_for_training(file, model):
     """For train_gpt2.py's evals: the rendered val examples (file, else the cached or downloaded
     split), or None after one warning when there are none; the same answer on every rank."""
-    import torch.distributed as dist
+    import parallel  # the trainer's path only: `python hellaswag.py` needs none of DDP's and FSDP's imports
     examples, why = None, None
-    if model.config.vocab_size < 50257:
-        why = f"vocab_size={model.config.vocab_size} is smaller than GPT-2's 50257"
+    if model.config.vocab_size < N_VOCAB:
+        why = f"vocab_size={model.config.vocab_size} is smaller than GPT-2's {N_VOCAB}"
     else:
         path = file or os.path.join(CACHE_DIR, 'hellaswag_val.jsonl')
-        if not file and rank == 0:
+        if not file and parallel.rank() == 0:
             try:
                 download('val')  # nothing to do once cached
-            except HellaSwagError as e:
+            except UserError as e:
                 why = str(e)
-        if world > 1:
-            dist.barrier()  # rank 0's download first
+        parallel.barrier()  # rank 0's download first
         if os.path.isfile(path):
-            examples = [render_example(e) for e in iterate_examples(file=path)]  # bad data: HellaSwagError
+            examples = [render_example(e) for e in iterate_examples(file=path)]  # bad data: UserError
         else:
             why = why or f"{path} not found"
-    found = torch.tensor(int(examples is not None), device=device)
-    if world > 1:
-        dist.all_reduce(found, op=dist.ReduceOp.MIN)  # e.g. a node without the file: nobody evaluates
-    if rank == 0 and not found.item():
+    found = parallel.agree(examples is not None, 'min')  # e.g. a node without the file: nobody evaluates
+    if parallel.rank() == 0 and not found:
         print(f"warning: no HellaSwag eval: {why or 'not on every node'}; training goes on without it")
-    return examples if found.item() else None
+    return examples if found else None
+
+
+def synthetic_examples(n, seed=0):
+    """n made-up examples in HellaSwag's format, for benchmarks and checks: as long as the val
+    split's first ones (ActivityNet captions, the ones --limit takes), contexts of 6-36 words,
+    endings of 3-20."""
+    rng = random.Random(seed)
+    words = ("a the man woman boy girl people is are then seen shown standing holding ball dog camera "
+             "while with on in into front of water field kitchen begins continues to walk talk play "
+             "smiles jumps runs pushes pulls down up around and his her their").split()
+    text = lambda lo, hi: " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
+    return [{"ind": i, "activity_label": "Synthetic", "ctx": text(6, 36).capitalize() + ". the man",
+             "split": "val", "label": rng.randrange(4), "endings": [text(3, 20) + "." for _ in range(4)]}
+            for i in range(n)]
+
+
+def write_synthetic(path, n, seed=0):
+    """synthetic_examples(n, seed) as a HellaSwag jsonl file, one example per line."""
+    with open(path, 'w') as f:
+        for example in synthetic_examples(n, seed):
+            f.write(json.dumps(example) + "\n")
 
 
 def main(argv=None):
@@ -287,16 +291,14 @@ def main(argv=None):
     p.add_argument('--device', default='auto')
     p.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
     p.add_argument('--limit', type=int, default=0, help="score only the first N examples")
-    p.add_argument('--batch_examples', type=int, default=32, help="examples per forward pass (32: ~7%% faster than 16 on a 2-core CPU)")
+    p.add_argument('--batch_examples', type=int, default=32, help="examples per forward pass (default: %(default)s)")
     args = p.parse_args(argv)
-    device = args.device
-    if device == 'auto':
-        device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    device = pick_device(args.device)
     if device == 'cpu':
-        reuse_freed_memory()  # no page faults per forward: ~4% faster (500 examples, 124M, 2 cores)
+        reuse_freed_memory()  # no page faults per forward (docs/benchmarks.md)
     try:
         examples = list(iterate_examples(args.split, args.file))
-    except HellaSwagError as e:
+    except UserError as e:
         sys.exit(f"error: {e}")
     if args.limit:
         examples = examples[:args.limit]

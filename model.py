@@ -1,29 +1,40 @@
 """
-GPT-2 in one file: the model, its init, optimizer groups, loading OpenAI/HF weights, generation.
-Parameter names follow OpenAI/HF GPT-2 (transformer.wte, transformer.h.N.attn.c_attn, ...), so
-weights move between this model and HF's GPT2LMHeadModel with only the Conv1D transposes.
+GPT-2 in one file: the model, its init, optimizer groups, OpenAI/HF weights in and out, the tools'
+checkpoint reader, generation. Parameter names follow OpenAI/HF GPT-2 (transformer.wte,
+transformer.h.N.attn.c_attn, ...), so weights move between this model and HF's GPT2LMHeadModel
+with only the Conv1D transposes.
 """
-import ctypes
 import inspect
 import json
 import os
 import pickle
-import re
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from tokenizer import N_VOCAB
+
+OPENAI_MODELS = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')  # through HF transformers
+# HF's GPT-2 keeps these weights as Conv1D, (in, out); nn.Linear holds (out, in)
+HF_CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+HF_MASK_BUFFERS = ('.attn.bias', '.attn.masked_bias')  # HF's causal mask, saved by older versions: not weights
+
 
 @dataclass
 class GPTConfig:
     block_size: int = 1024  # max sequence length (positions)
-    vocab_size: int = 50257  # 50,000 BPE merges + 256 bytes + <|endoftext|>
+    vocab_size: int = N_VOCAB  # GPT-2's tokens
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
+
+    @classmethod
+    def from_dict(cls, d):
+        """The shape from a dict that holds these five keys, and maybe more: a checkpoint's
+        'config', or the trainer's whole config."""
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -31,8 +42,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     computes their gradient in the forward pass. The logits (N, V) are the one large tensor: each
     block of rows turns into softmax - onehot in place while it is in cache, and the backward is
     two matmuls. F.linear + F.cross_entropy allocate and stream over four (N, V) tensors (logits,
-    log-probabilities, and two gradients) instead: on a CPU this step is ~20-40% faster and peaks
-    ~40% lower (bench.py). Same loss and gradients, to float rounding."""
+    log-probabilities, and two gradients) instead: on a CPU this step is faster and peaks lower
+    (bench.py; the figures are in docs/benchmarks.md). Same loss and gradients, to float rounding."""
 
     @staticmethod
     def forward(ctx, h, weight, targets):  # h (N, C), weight (V, C), targets (N,)
@@ -64,57 +75,28 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_h.to(h.dtype), grad_w.to(weight.dtype), None
 
 
-PRECISIONS = ('float32', 'float16', 'bfloat16')  # from the least capable hardware to the most
-AUTOCAST_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
+class PackedTokens:
+    """Several sequences' tokens packed end to end, without padding, each attending to the tokens
+    a mask allows (for HellaSwag: prefix trees, where the endings share one copy of the context).
+    The per-token layers run on the N tokens as rows (N, n_embd); attention places them in a
+    (B, T) grid. keep: the tokens whose final hidden states are wanted (None: all); the last block
+    computes only those after its attention, as nothing reads the others."""
 
+    def __init__(self, pos, slots, mask, keep=None):
+        self.pos = pos  # (N,) each token's position in its sequence
+        self.slots = slots  # (N,) its place in the flattened grid, b * T + t
+        self.mask = mask  # (B, 1, T, T) bool: True where a token (row) attends to a key (column)
+        self.keep = keep  # (M,) indices into the N tokens, or None
+        self.grid = None  # (B * T, 3 * n_embd): q, k, v in the grid, shared by the blocks in turn
 
-def autocast(device, dtype):
-    """Autocast to dtype ("bfloat16" or "float16") on device; a no-op context for "float32"."""
-    return torch.autocast(torch.device(device).type, dtype=AUTOCAST_DTYPES.get(dtype, torch.bfloat16),
-                          enabled=dtype in AUTOCAST_DTYPES)
-
-
-def cpu_has_bf16():
-    """True where this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 units) and oneDNN uses
-    them; elsewhere (AVX2-only CPUs, ARM here) bf16 matmuls are emulated, ~100x slower than float32."""
-    caps = getattr(torch.cpu, 'get_capabilities', lambda: {})()  # torch >= 2.10
-    try:
-        units = bool(caps.get('avx512_bf16') or caps.get('amx_bf16') or torch.cpu._is_avx512_bf16_supported()
-                     or torch.cpu._is_amx_tile_supported())
-        return units and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):  # an older torch or a build without oneDNN
-        return False
-
-
-def resolve_dtype(dtype, device):
-    """(dtype, why): "auto" made concrete for device, the same answer on every call."""
-    if dtype != 'auto':
-        return dtype, 'as configured'
-    device = torch.device(device)
-    if device.type == 'cuda':
-        name, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
-        if cc >= (8, 0):  # Ampere and newer: bf16 tensor cores, float32's range, no loss scaling
-            return 'bfloat16', f'auto: {name} (compute capability {cc[0]}.{cc[1]}) has bf16'
-        return 'float16', (f'auto: {name} (compute capability {cc[0]}.{cc[1]}) has no bf16; float16 with '
-                           f'loss scaling')
-    if device.type == 'cpu':
-        if cpu_has_bf16():
-            return 'bfloat16', 'auto: this CPU has bf16 units, AVX512-BF16 or AMX'
-        return 'float32', 'auto: this CPU has no bf16 units; bf16 would be emulated, ~100x slower'
-    # MPS: float16 gains memory but no arithmetic speed on Apple GPUs and needs loss scaling; bf16
-    # needs macOS 14: float32 is the choice that works everywhere
-    return 'float32', f'auto: float32 on {device.type}'
-
-
-def reuse_freed_memory():
-    """glibc hands every large tensor (the logits: B*T*vocab floats) back to the OS when it is
-    freed, and the next step page-faults gigabytes of zeroed pages back in: on a CPU that system
-    time can be half the step. Serve large blocks from the heap and never trim it instead."""
-    mallopt = getattr(ctypes.CDLL(None), 'mallopt', None)  # glibc; absent on macOS and musl
-    if mallopt is not None:
-        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-        mallopt(M_MMAP_MAX, 0)
-        mallopt(M_TRIM_THRESHOLD, -1)  # -1 is SIZE_MAX to glibc: never trim
+    def qkv_in_grid(self, qkv, n_head):
+        """q, k, v (B, nh, T, hs) from the tokens' (N, 3 * n_embd). The grid's free slots stay zero
+        (every block writes the same slots) and attend to themselves only: the mask's diagonal."""
+        B, _, T, _ = self.mask.shape
+        if self.grid is None:
+            self.grid = qkv.new_zeros(B * T, qkv.size(1))
+        self.grid.index_copy_(0, self.slots, qkv)
+        return self.grid.view(B, T, 3, n_head, -1).permute(2, 0, 3, 1, 4)
 
 
 class CausalSelfAttention(nn.Module):
@@ -128,7 +110,14 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
-    def forward(self, x, kv_cache=None, start_pos=0):
+    def forward(self, x, kv_cache=None, start_pos=0, packed=None, keep=None):
+        """x: (B, T, C); or with packed (a PackedTokens), the (N, C) rows of its tokens, and keep
+        the rows to return (None: all)."""
+        if packed is not None:
+            q, k, v = packed.qkv_in_grid(self.c_attn(x), self.n_head)  # (B, nh, T, hs)
+            B, _, T, _ = q.shape
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=packed.mask).transpose(1, 2).reshape(B * T, -1)
+            return self.c_proj(y[packed.slots if keep is None else packed.slots[keep]])
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -170,8 +159,11 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None, start_pos=0):
-        x = x + self.attn(self.ln_1(x), kv_cache, start_pos)
+    def forward(self, x, kv_cache=None, start_pos=0, packed=None, keep=None):
+        """x: (B, T, C), or the (N, C) rows of packed tokens; keep: the rows to go on with after
+        attention (None: all)."""
+        y = self.attn(self.ln_1(x), kv_cache, start_pos, packed, keep)
+        x = (x if keep is None else x[keep]) + y
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -202,16 +194,23 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def hidden_states(self, idx, kv_cache=None, start_pos=0):
+    def hidden_states(self, idx, kv_cache=None, start_pos=0, packed=None):
         """The final hidden states (B, T, n_embd), before the output layer. idx: (B, T) token ids;
-        kv_cache: None, or per layer a (2, B, nh, L, hs) buffer, L >= start_pos + T (see generate)."""
-        B, T = idx.size()
-        if start_pos + T > self.config.block_size:
-            raise ValueError(f"sequence of length {start_pos + T} is longer than block_size={self.config.block_size}")
-        pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
+        kv_cache: None, or per layer a (2, B, nh, L, hs) buffer, L >= start_pos + T (see generate).
+        Or idx (N,) the tokens of packed (a PackedTokens), and the states (N or M, n_embd) of the
+        tokens it keeps."""
+        if packed is None:
+            B, T = idx.size()
+            if start_pos + T > self.config.block_size:
+                raise ValueError(f"sequence of length {start_pos + T} is longer than block_size={self.config.block_size}")
+            pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)  # (T,)
+        else:
+            pos = packed.pos  # (N,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd) or (N, n_embd)
+        last = len(self.transformer.h) - 1
         for i, block in enumerate(self.transformer.h):
-            x = block(x, None if kv_cache is None else kv_cache[i], start_pos)
+            keep = packed.keep if packed is not None and i == last else None
+            x = block(x, None if kv_cache is None else kv_cache[i], start_pos, packed, keep)
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None, kv_cache=None, start_pos=0):
@@ -238,13 +237,13 @@ class GPT(nn.Module):
         return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=use_fused)
 
     # -------------------------------------------------------------------------
-    # OpenAI / HF weights
+    # OpenAI / HF weights, into this model (to_hf_state_dict, below, is the way out)
 
     @classmethod
     def from_pretrained(cls, name_or_dir):
-        """One of gpt2, gpt2-medium, gpt2-large, gpt2-xl (through HF transformers, downloaded when
-        online), or a local directory holding a HF GPT2LMHeadModel (save_pretrained output)."""
-        if name_or_dir in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
+        """One of OPENAI_MODELS (through HF transformers, downloaded when online), or a local
+        directory holding a HF GPT2LMHeadModel (save_pretrained output)."""
+        if name_or_dir in OPENAI_MODELS:
             try:
                 from transformers import GPT2LMHeadModel
             except ImportError as e:
@@ -252,8 +251,8 @@ class GPT(nn.Module):
             hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
             return cls.from_hf_state_dict(hf.config.to_dict(), hf.state_dict(), name_or_dir)
         if not os.path.isdir(name_or_dir):
-            raise FileNotFoundError(f"{name_or_dir!r} is neither an OpenAI GPT-2 name (gpt2, gpt2-medium, "
-                                    f"gpt2-large, gpt2-xl) nor a directory")
+            raise FileNotFoundError(f"{name_or_dir!r} is neither an OpenAI GPT-2 name ({', '.join(OPENAI_MODELS)}) "
+                                    f"nor a directory")
         config_path = os.path.join(name_or_dir, 'config.json')
         if not os.path.isfile(config_path):
             raise FileNotFoundError(f"{config_path} not found: {name_or_dir} is not a HF GPT2LMHeadModel directory "
@@ -284,22 +283,20 @@ class GPT(nn.Module):
         sd = model.state_dict()
         # HF keeps the causal mask as buffers; GPT2Model checkpoints (no LM head) lack the prefix
         sd_hf = {k if k.startswith(('transformer.', 'lm_head.')) else 'transformer.' + k: v
-                 for k, v in sd_hf.items() if not k.endswith(('.attn.bias', '.attn.masked_bias'))}
+                 for k, v in sd_hf.items() if not k.endswith(HF_MASK_BUFFERS)}
         unexpected = sorted(set(sd_hf) - set(sd))
         if unexpected:
             raise ValueError(f"{source}: unexpected key {unexpected[0]!r} ({len(unexpected)} in all) for a GPT-2")
-        # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
-        transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
         with torch.no_grad():
             for k in sd:
                 if k == 'lm_head.weight' and k not in sd_hf:
                     continue  # tied to transformer.wte.weight
                 if k not in sd_hf:
                     raise ValueError(f"{source}: missing key {k!r}")
-                w = sd_hf[k].t() if k.endswith(transposed) else sd_hf[k]
+                w = sd_hf[k].t() if k.endswith(HF_CONV1D_WEIGHTS) else sd_hf[k]
                 if w.shape != sd[k].shape:
                     raise ValueError(f"{source}: key {k!r} has shape {tuple(w.shape)}"
-                                     f"{' (transposed from Conv1D)' if k.endswith(transposed) else ''}, "
+                                     f"{' (transposed from Conv1D)' if k.endswith(HF_CONV1D_WEIGHTS) else ''}, "
                                      f"expected {tuple(sd[k].shape)} for {config}")
                 sd[k].copy_(w)
             if 'lm_head.weight' in sd_hf and not torch.equal(sd_hf['lm_head.weight'], sd_hf['transformer.wte.weight']):
@@ -364,10 +361,27 @@ def load_hf_weights(model_dir):
     raise FileNotFoundError(f"{model_dir}: no model.safetensors or pytorch_model.bin (or their .index.json) found")
 
 
+def to_hf_state_dict(state, vocab_size):
+    """Our state dict as HF GPT2LMHeadModel's, in float32: Conv1D weights transposed, the
+    vocabulary cut to vocab_size (a padded one's extra rows dropped), lm_head left out (tied to
+    transformer.wte.weight)."""
+    out = {}
+    for k, v in state.items():
+        if k == 'lm_head.weight':
+            continue
+        v = v.float()
+        if k.endswith(HF_CONV1D_WEIGHTS):
+            v = v.t()
+        if k == 'transformer.wte.weight':
+            v = v[:vocab_size]
+        out[k] = v.contiguous()
+    return out
+
+
 class SkipInit(torch.overrides.TorchFunctionMode):
     """Within it, the in-place torch.nn.init functions do nothing: for a model whose weights are
-    all loaded next (a missing one is an error), the random init of GPT-2 124M would be ~0.8 s
-    of a run's start."""
+    all loaded next (a missing one is an error), the random init is wasted time at a run's start
+    (docs/benchmarks.md has how much, for GPT-2 124M)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -376,18 +390,37 @@ class SkipInit(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# what reading something other than a train_gpt2.py checkpoint raises: a missing file, another
+# format, build-nanogpt's pickled GPTConfig (UnpicklingError), other keys or shapes
+NOT_A_CHECKPOINT = (OSError, RuntimeError, KeyError, TypeError, AttributeError, pickle.UnpicklingError)
+
+
+def unreadable_checkpoint(path, error):
+    return ValueError(f"{path}: not a readable train_gpt2.py checkpoint ({type(error).__name__}: {error})")
+
+
+def read_checkpoint_weights(path):
+    """(GPTConfig, state dict) of a train_gpt2.py checkpoint, for the tools: the tensors memory-
+    mapped, nothing unpickled but tensors and plain values. Anything else is a ValueError."""
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+        return GPTConfig.from_dict(ckpt['config']), ckpt['model']
+    except NOT_A_CHECKPOINT as e:
+        raise unreadable_checkpoint(path, e) from None
+
+
 def load_model(name, device):
     """An OpenAI name, a HF model folder, or a train_gpt2.py checkpoint (.pt)."""
-    if name in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):  # through HF, which has its own init
+    if name in OPENAI_MODELS:  # through HF, which has its own init
         return GPT.from_pretrained(name).to(device).eval()
     with SkipInit():
         if name.endswith('.pt'):
+            config, state = read_checkpoint_weights(name)
             try:
-                ckpt = torch.load(name, map_location='cpu', weights_only=True, mmap=True)
-                model = GPT(GPTConfig(**ckpt['config']))
-                model.load_state_dict(ckpt['model'])  # strict: every weight
-            except (RuntimeError, KeyError, TypeError, AttributeError, pickle.UnpicklingError) as e:  # not ours
-                raise ValueError(f"{name}: not a readable train_gpt2.py checkpoint ({type(e).__name__}: {e})") from None
+                model = GPT(config)
+                model.load_state_dict(state)  # strict: every weight
+            except NOT_A_CHECKPOINT as e:  # a config or weights that are not a GPT's
+                raise unreadable_checkpoint(name, e) from None
         else:
             model = GPT.from_pretrained(name)  # every weight, or an error
     return model.to(device).eval()
@@ -399,42 +432,3 @@ def flops_per_token(config, T):
     n = config.n_layer * 12 * config.n_embd ** 2 + config.vocab_size * config.n_embd
     attn = config.n_layer * 2 * 2 * T * config.n_embd  # QK^T and AV, each 2 * T * n_embd per token
     return 6 * n + 3 * attn
-
-
-# dense bf16/fp16 tensor-core peaks from NVIDIA's datasheets (FLOP/s), the first name that matches
-GPU_PEAK_FLOPS = (('H200', 989e12), ('H100 PCIe', 756e12), ('H100 NVL', 835e12), ('H100', 989e12), ('A100', 312e12),
-                  ('L40S', 362e12), ('L40', 181e12), ('A10G', 70e12), ('A10', 125e12), ('L4', 121e12),
-                  ('RTX 4090', 165e12), ('RTX 3090', 71e12), ('V100', 125e12), ('B200', 2250e12))
-
-
-def sync(device):
-    """Wait for the device's queued work (for timing)."""
-    if device.startswith('cuda'):
-        torch.cuda.synchronize()
-    elif device == 'mps':
-        torch.mps.synchronize()
-
-
-def matmul_flops(device, dtype, n=None, reps=10):
-    """FLOP/s of an n x n @ n x n matmul in dtype on device (bf16/fp16 inputs, as autocast makes them)."""
-    n = n or (8192 if device.startswith('cuda') else 2048)
-    a, b = (torch.randn(n, n, device=device, dtype=AUTOCAST_DTYPES.get(dtype, torch.float32)) for _ in range(2))
-    for _ in range(2):
-        a @ b
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync(device)
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
-
-
-def peak_flops(device, dtype):
-    """(FLOP/s, where from) for MFU: a known NVIDIA GPU's datasheet peak in bf16/fp16, else a
-    small matmul measured now (CPUs, float32, other GPUs)."""
-    if device.startswith('cuda') and dtype in AUTOCAST_DTYPES:
-        name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_FLOPS:  # the longer names first: 'L40' before 'L4'
-            if re.search(rf"\b{key}\b", name):
-                return flops, f"{name} datasheet"
-    return matmul_flops(device, dtype, n=512 if device == 'cpu' else 4096, reps=5), "measured matmul"

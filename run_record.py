@@ -13,10 +13,10 @@ import subprocess
 import sys
 
 import torch
-import torch.distributed as dist
 
+import parallel
 from atomic import atomic_write
-from configurator import UserError
+from errors import UserError
 
 CODE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,16 +44,11 @@ def device_name(device):
     return device
 
 
-def write(log_dir, config, start, resumed_from, rank, world, device):
+def write(log_dir, config, start, resumed_from, device):
     """Append this start's entry to log_dir/run.json (rank 0 writes; every rank must call it:
     the hosts and devices are gathered from all)."""
-    mine = {'host': socket.gethostname(), 'device': f"{device}: {device_name(device)}"}
-    ranks = [None] * world
-    if world > 1:
-        dist.all_gather_object(ranks, mine)
-    else:
-        ranks = [mine]
-    if rank != 0:
+    ranks = parallel.gather_objects({'host': socket.gethostname(), 'device': f"{device}: {device_name(device)}"})
+    if parallel.rank() != 0:
         return
     commit, modified = git_state()
     entry = {
@@ -62,7 +57,7 @@ def write(log_dir, config, start, resumed_from, rank, world, device):
         'git_commit': commit, 'git_modified': modified,
         'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,
         'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if device.startswith('cuda') else None,
-        'world_size': world, 'hosts': sorted({r['host'] for r in ranks}), 'devices': [r['device'] for r in ranks],
+        'world_size': len(ranks), 'hosts': sorted({r['host'] for r in ranks}), 'devices': [r['device'] for r in ranks],
         'wandb_run_id': _wandb_run.id if _wandb_run is not None else None, 'config': config,
     }
     path = os.path.join(log_dir, 'run.json')

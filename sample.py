@@ -9,13 +9,13 @@ as it is done. The same --seed gives the same text on the same machine. Also the
 samples during a run (training_samples).
 """
 import argparse
-import os
 import sys
 
 import torch
 
-from model import autocast, load_model, resolve_dtype
-from tokenizer import get_gpt2_encoding
+from hardware import autocast, pick_device, resolve_dtype
+from model import load_model
+from tokenizer import EOT, get_gpt2_encoding
 
 
 def encode_prompt(enc, prompt, model):
@@ -24,7 +24,7 @@ def encode_prompt(enc, prompt, model):
     if model.config.vocab_size < enc.n_vocab:
         raise ValueError(f"the model's vocab_size={model.config.vocab_size} is smaller than GPT-2's {enc.n_vocab}: "
                          f"its tokens are not GPT-2's")
-    ids = enc.encode(prompt) or [enc.eot_token]
+    ids = enc.encode(prompt) or [EOT]
     if len(ids) > model.config.block_size:  # generate would keep the last block_size tokens anyway
         print(f"warning: the prompt's {len(ids)} tokens are more than block_size={model.config.block_size}: "
               f"it continues the last {model.config.block_size}", file=sys.stderr)
@@ -36,24 +36,24 @@ def decode(enc, ids):
 
 
 @torch.no_grad()
-def training_samples(model, step, prompt, length, device, dtype, log_dir):
-    """The trainer's samples (rank 0): 4 continuations of prompt, printed and appended to
-    log_dir/samples.txt; seeded by the step, so a resumed run writes the same ones."""
+def training_samples(model, step, prompt, length, dtype):
+    """The trainer's samples (rank 0): 4 continuations of prompt, as lines "step {step} sample
+    {i}: {text!r}", on the device of the model's weights; seeded by the step, so a resumed run
+    gets the same ones. A model with a smaller vocabulary than GPT-2's: a line that says so, and
+    no samples."""
     enc = get_gpt2_encoding()
     try:
         ids = encode_prompt(enc, prompt, model)
-    except ValueError as e:  # a model with a smaller vocabulary than GPT-2's
+    except ValueError as e:
         print(f"step {step}: no samples: {e}")
-        return
+        return []
     model.eval()  # it stays so until train_step's model.train()
+    device = model.lm_head.weight.device
     idx = torch.tensor([ids] * 4, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(42 + step)
     with autocast(device, dtype):
         out = model.generate(idx, length, top_k=50, generator=generator)
-    lines = [f"step {step} sample {i}: {decode(enc, row)!r}" for i, row in enumerate(out.tolist())]
-    print("\n".join(lines))
-    with open(os.path.join(log_dir, 'samples.txt'), 'a') as f:
-        f.write("\n".join(lines) + "\n")
+    return [f"step {step} sample {i}: {decode(enc, row)!r}" for i, row in enumerate(out.tolist())]
 
 
 def main(argv=None):
@@ -78,9 +78,7 @@ def main(argv=None):
                 prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
             sys.exit(f"error: --prompt {args.prompt}: cannot read it ({e})")
-    device = args.device
-    if device == 'auto':
-        device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    device = pick_device(args.device)
     try:
         dtype, _ = resolve_dtype(args.dtype, device)
         model = load_model(args.model, device)

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from configurator import UserError
+from errors import UserError
 
 
 def find_shards(data_root, split):

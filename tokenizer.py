@@ -11,6 +11,10 @@ import hashlib
 import importlib.util
 import os
 
+N_VOCAB = 50257  # GPT-2's tokens: 50,000 BPE merges, 256 bytes and <|endoftext|>
+EOT = 50256  # GPT-2's last token, between documents and before an unconditional sample
+EOT_TEXT = '<|endoftext|>'  # its text
+
 # the sha256 that tiktoken pins for OpenAI's GPT-2 files
 GPT2_FILES = {
     'vocab.bpe': '1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5',
@@ -29,11 +33,17 @@ def local_gpt2_dirs():
     return dirs
 
 
+def local_gpt2_folder():
+    """The first of local_gpt2_dirs that holds both vocab.bpe and encoder.json, else None."""
+    return next((folder for folder in local_gpt2_dirs()
+                 if all(os.path.isfile(os.path.join(folder, name)) for name in GPT2_FILES)), None)
+
+
 def encoding_from_dir(folder):
     """The GPT-2 Encoding built from folder/vocab.bpe and folder/encoder.json, hashes checked."""
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-    from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
+    from tiktoken_ext.openai_public import r50k_pat_str
     paths = {}
     for name, sha in GPT2_FILES.items():
         paths[name] = os.path.join(folder, name)
@@ -44,15 +54,15 @@ def encoding_from_dir(folder):
     ranks = data_gym_to_mergeable_bpe_ranks(paths['vocab.bpe'], paths['encoder.json'],
                                             GPT2_FILES['vocab.bpe'], GPT2_FILES['encoder.json'])
     return tiktoken.Encoding(name='gpt2', pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
+                             special_tokens={EOT_TEXT: EOT}, explicit_n_vocab=N_VOCAB)
 
 
 @functools.lru_cache(maxsize=None)
 def get_gpt2_encoding():
     """tiktoken's GPT-2 Encoding: from local files when present, else tiktoken's cache/download."""
-    for folder in local_gpt2_dirs():
-        if all(os.path.isfile(os.path.join(folder, name)) for name in GPT2_FILES):
-            return encoding_from_dir(folder)
+    folder = local_gpt2_folder()
+    if folder is not None:
+        return encoding_from_dir(folder)
     import tiktoken
     try:
         return tiktoken.get_encoding('gpt2')

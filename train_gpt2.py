@@ -8,10 +8,11 @@ Train GPT-2 on FineWeb-Edu token shards, on one CPU/GPU or many GPUs.
 One run, top to bottom: the constants (edit them here, or override them with config files and
 --key=value arguments: configurator.py); DDP setup from torchrun's environment; the data; the
 evaluations; one training step with gradient accumulation; the loop that evaluates, samples,
-checkpoints and stops. Checkpoints, resuming and preemption are in checkpoint.py (the same command
-run again resumes; SIGTERM checkpoints and exits 75); docs/ddp.md walks through the DDP parts.
+checkpoints and stops. The run's functions (main, run, build_model, train, evals_and_samples)
+read the constants; what other files import (DataLoaderLite, evaluate, TrainState, train_step)
+takes what it needs as arguments. Other collectives: parallel.py; checkpoints, resuming and
+SIGTERM (checkpoint, exit 75): checkpoint.py; the DDP parts explained: docs/ddp.md.
 """
-import gc
 import math
 import os
 import sys
@@ -20,14 +21,17 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
-import fsdp
-import hellaswag as hs
+from checkpoint import TrainState
 import run_record
-from configurator import UserError, choose_precision, parse_config
-from model import GPT, GPTConfig, autocast, flops_per_token, peak_flops, reuse_freed_memory
+from configurator import parse_config
+from errors import UserError
+from hardware import autocast, choose_precision, peak_flops, pick_device, reuse_freed_memory
+from hellaswag import evaluate as evaluate_hellaswag, load_for_training
+from model import GPT, GPTConfig, flops_per_token
+from parallel import (agree, clip_grad_norm, end_process_group, require_backward_grad_sync, restart_store,
+                      shard_fsdp, state_mib, whole_models, wrap_ddp)
 from sample import training_samples
 from shards import find_shards, load_val_tokens, open_shard
 
@@ -42,7 +46,7 @@ n_layer = 12
 n_head = 12
 n_embd = 768
 block_size = 1024  # longest sequence the model can see
-vocab_size = 50304  # GPT-2's 50257 tokens, padded to a multiple of 128 for faster matmuls
+vocab_size = 50304  # GPT-2's vocabulary padded up to a multiple of 128, for faster matmuls
 # batch: total_batch_size tokens per optimizer step = B * T * world_size * grad_accum_steps
 total_batch_size = 524288  # 2**19, ~0.5M tokens, as GPT-3 124M
 B = 64  # micro-batch: sequences per forward/backward, per process
@@ -70,8 +74,8 @@ hellaswag_file = ""  # a HellaSwag jsonl file; "" = the val split, downloaded on
 device = "auto"  # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps; torchrun uses cuda:LOCAL_RANK
 dtype = "auto"  # auto (what the hardware does fast, printed at start), bfloat16, float16 (+ loss scaling), float32
 compile = "auto"  # torch.compile the model: auto = on CUDA (slow to start, faster to run), off elsewhere; True, False
-cpu_reuse_memory = True  # CPU on Linux: keep freed memory for reuse: ~10% faster steps for ~15% more peak RSS
-parallel = "ddp"  # with torchrun: "ddp" (a whole copy of the state per GPU) or "fsdp" (sharded: fsdp.py)
+cpu_reuse_memory = True  # CPU on Linux: keep freed memory for reuse: faster steps, more peak RSS (docs/precision.md)
+parallel = "ddp"  # with torchrun: "ddp" (a whole copy of the state per GPU) or "fsdp" (sharded: parallel.py)
 seed = 1337
 # Weights & Biases (rank 0; the numbers of log.txt): pip install -r requirements-wandb.txt
 wandb_log = False
@@ -84,24 +88,26 @@ DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isin
 # DDP setup: torchrun starts one process per device and tells each who it is (RANK, LOCAL_RANK,
 # WORLD_SIZE); plain `python` is a world of one. Every rank runs all of this script.
 
+rank, world = 0, 1  # this process among all, set by main() from torchrun's environment
+
+
 def setup_device(device, cpu_reuse_memory=False):
-    """(ddp, rank, local_rank, world_size, device): torchrun's RANK means DDP, one process per device."""
+    """(rank, world_size, device): torchrun's RANK means DDP, one process per device."""
     ddp = 'RANK' in os.environ
     rank, local_rank, world = 0, 0, 1
     if ddp:
         rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
-    if device == 'auto':
-        device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    device = pick_device(device)
     if device.startswith('cuda'):  # torchrun: one GPU per process, whatever was asked; set_device needs an index
         device = f'cuda:{local_rank}' if ddp else 'cuda:0' if device == 'cuda' else device
         torch.cuda.set_device(device)
-    if device == 'cpu' and cpu_reuse_memory and sys.platform.startswith('linux'):
+    if device == 'cpu' and cpu_reuse_memory:
         reuse_freed_memory()
-    if ddp:  # NCCL between GPUs, gloo between CPU processes; the store: see checkpoint.restart_store
+    if ddp:  # NCCL between GPUs, gloo between CPU processes; the store: see parallel.restart_store
         cuda = device.startswith('cuda')
-        dist.init_process_group(backend='nccl' if cuda else 'gloo', store=checkpoint.restart_store(), rank=rank,
+        dist.init_process_group(backend='nccl' if cuda else 'gloo', store=restart_store(), rank=rank,
                                 world_size=world, device_id=torch.device(device) if cuda else None)
-    return ddp, rank, local_rank, world, device
+    return rank, world, device
 
 
 # -----------------------------------------------------------------------------
@@ -123,11 +129,8 @@ class DataLoaderLite:
             if n < self.step_tokens + 1:
                 raise UserError(f"{path}: {n} tokens, shorter than one batch of B*T*world_size*grad_accum_steps + 1 "
                                 f"= {B}*{T}*{num_processes}*{accum_steps} + 1 = {self.step_tokens + 1} tokens")
-        self.reset()
-
-    def reset(self):
         self.shard, self.pos, self.micro = 0, 0, 0
-        self.tokens = open_shard(self.shards[0], self.vocab_size)
+        self.tokens = open_shard(self.shards[0], vocab_size)
 
     def state(self):
         """The global position, at a step boundary: the same on every rank, for any world size."""
@@ -166,9 +169,10 @@ class DataLoaderLite:
 # evaluation: val loss and HellaSwag (each rank its share, all-reduced); samples: sample.py
 
 @torch.no_grad()  # and no graph per batch: each would hold its batch's activations and logits
-def evaluate(model, tokens, B, T, rank, world, device, dtype):
+def evaluate(model, tokens, B, T, device, dtype):
     """Mean loss over the len(tokens) // T sequences of T tokens in tokens, all ranks together.
     Rank r scores the sequences r, r + world, ...: the value does not depend on world."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     model.eval()
     n_seq = (len(tokens) - 1) // T
     mine = range(rank, n_seq, world)
@@ -186,20 +190,29 @@ def evaluate(model, tokens, B, T, rank, world, device, dtype):
     return loss_sum.item() / (n_seq * T)
 
 
-def run_evals(eval_model, raw_model, val_data, hella_data, step, rank, world, device):
-    """The val loss (returned) and HellaSwag, all ranks together; rank 0 prints and logs them."""
-    val_loss = evaluate(eval_model, val_data, B, T, rank, world, device, dtype)
-    if rank == 0:
+def evals_and_samples(state, val_data, hella_data, do_eval, do_sample):
+    """This step's val loss (returned, or None) and HellaSwag, all ranks together, and rank 0's
+    samples; rank 0 prints and logs them. Under FSDP they run on a gathered copy of the model, which
+    is freed when this function returns."""
+    model, raw_model = whole_models(state.model, state.raw_model, state.optimizer, device)
+    step, val_loss = state.step, evaluate(model, val_data, B, T, device, dtype) if do_eval else None
+    if do_eval and rank == 0:
         print(f"step {step:5d} | val loss {val_loss:.4f}")
         log(f"{step} val {val_loss:.4f}")
-    if hella_data is not None:  # the plain module: works the same with compile and DDP
-        counts = torch.tensor(hs.evaluate(raw_model, hella_data, device, dtype, rank, world), device=device)
+    if do_eval and hella_data is not None:  # the plain module: works the same with compile and DDP
+        counts = torch.tensor(evaluate_hellaswag(raw_model, hella_data, device, dtype, rank, world), device=device)
         if world > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # each rank scored its share of the examples
         n, correct, correct_norm = counts.tolist()
         if rank == 0:
             print(f"step {step:5d} | hellaswag acc_norm {correct_norm}/{n} = {correct_norm / n:.4f} (acc {correct / n:.4f})")
             log(f"{step} hella {correct_norm / n:.4f}")
+    if do_sample and rank == 0:  # seeded by the step: a resumed run writes the same samples
+        lines = training_samples(raw_model, step, sample_prompt, sample_length, dtype)
+        with open(os.path.join(log_dir, 'samples.txt'), 'a') as f:
+            for line in lines:
+                print(line)
+                f.write(line + "\n")
     return val_loss
 
 
@@ -223,28 +236,29 @@ def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
 
 
-def train_step(model, optimizer, scaler, loader, grad_accum_steps, lr, grad_clip, device, dtype, world):
+def train_step(state, grad_accum_steps, lr, grad_clip, device, dtype):
     """One optimizer step over grad_accum_steps micro-batches: (mean loss, grad norm, ok, overflow).
     A non-finite loss or norm (the same on every rank) skips the update; overflow: float16 loss
     scaling at work (the scaler halves its scale), not a bad step."""
+    model, optimizer, scaler = state.model, state.optimizer, state.scaler
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_accum = torch.zeros((), device=device)
     for micro_step in range(grad_accum_steps):
-        x, y = loader.next_batch()
+        x, y = state.loader.next_batch()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if world > 1:  # all-reduce (DDP) or reduce-scatter (FSDP) the gradients only after the last micro-step
-            fsdp.set_grad_sync(model, micro_step == grad_accum_steps - 1)
+        # DDP all-reduces (FSDP reduce-scatters) the gradients in the backward of the last micro-step only
+        require_backward_grad_sync(model, micro_step == grad_accum_steps - 1)
         with autocast(device, dtype):
             _, loss = model(x, y)
         loss = loss / grad_accum_steps  # the gradient of the mean over all micro-batches
         loss_accum += loss.detach()
         scaler.scale(loss).backward()  # float16: the loss scaled up so that small gradients survive
-    if world > 1:
+    if dist.is_initialized():
         dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG
-        loss_accum /= world
+        loss_accum /= dist.get_world_size()
     scaler.unscale_(optimizer)  # float16: the gradients back to their true size, before clipping
-    norm = fsdp.full(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf')))
+    norm = clip_grad_norm(model, grad_clip)  # the global norm, the same on every rank
     finite_loss, finite_norm = torch.stack((torch.isfinite(loss_accum), torch.isfinite(norm))).tolist()  # one wait
     ok = finite_loss and finite_norm
     # an overflow at a scale <= 1 is no loss-scaling matter: it counts as a bad step
@@ -258,37 +272,32 @@ def train_step(model, optimizer, scaler, loader, grad_accum_steps, lr, grad_clip
 
 
 # -----------------------------------------------------------------------------
-# the run
+# the run: main, run and train read the constants above (as overridden) and rank, world
 
 def main(argv=None):
+    global rank, world, device, dtype, compile
     master = int(os.environ.get('RANK', 0)) == 0
     try:
         config = parse_config(sys.argv[1:] if argv is None else argv, DEFAULTS, __doc__)  # -h prints the constants
     except UserError as e:
         sys.exit(f"error: {e}" if master else 1)
     globals().update(config)  # the rest reads the constants, as overridden
-    ddp, rank, local_rank, world, dev = setup_device(device, cpu_reuse_memory)
+    rank, world, device = setup_device(device, cpu_reuse_memory)  # device: "auto" made concrete
     code = None
     try:
-        config = choose_precision(config, rank, world, dev)
-        globals().update(config)
-        code = run(config, rank, world, dev)
+        config = choose_precision(config, device)  # the same dtype on every rank
+        dtype, compile = config['dtype'], config['compile']
+        code = run(config)
         run_record.wandb_finish()
     except UserError as e:
         sys.exit(f"error: {e}" if master else 1)  # one line on stderr, exit code 1
     finally:
-        if ddp:
-            try:
-                if code is not None:
-                    dist.barrier()  # no rank tears down while rank 0 still writes its last checkpoint
-            finally:
-                gc.collect()  # FSDP's sharded tensors hold gloo work: free them while Python is whole
-                dist.destroy_process_group()
+        end_process_group(finished=code is not None)
     if code:
         sys.exit(code)
 
 
-def run(config, rank, world, device):
+def run(config):
     """Set up the data, the model (fresh, pretrained or resumed) and the optimizer, then train;
     returns the exit code: 0, or checkpoint.EXIT_PREEMPTED after a SIGTERM."""
     master = rank == 0
@@ -310,134 +319,123 @@ def run(config, rank, world, device):
         find_shards(data_root, split)  # a missing folder is reported before a model is built or downloaded
 
     # resume="auto": the newest checkpoint of log_dir that loads (the same command resumes a stopped run)
-    ckpt_path, ckpt = checkpoint.find_checkpoint(log_dir, resume, rank, world, device)
-    model = build_model(ckpt, ckpt_path, config, master)
-    train_loader = DataLoaderLite(B, T, rank, world, 'train', data_root, grad_accum_steps, model.config.vocab_size)
-    val_data = load_val_tokens(data_root, val_tokens // T * T, model.config.vocab_size) if eval_interval > 0 else None
-    model.to(device)
-    raw_model = model  # not wrapped: state_dict without prefixes; sharded in place under FSDP
+    ckpt_path, ckpt = checkpoint.find_checkpoint(log_dir, resume, device)
+    raw_model = build_model(ckpt, ckpt_path, config)
+    loader = DataLoaderLite(B, T, rank, world, 'train', data_root, grad_accum_steps, raw_model.config.vocab_size)
+    val_data = load_val_tokens(data_root, val_tokens // T * T, raw_model.config.vocab_size) if eval_interval > 0 else None
+    raw_model.to(device)  # not wrapped: state_dict without prefixes; sharded in place under FSDP
     if parallel == 'fsdp' and dist.is_initialized():  # torchrun; one process is one shard (gpu_check.py)
-        fsdp.shard(raw_model)  # before the optimizer, which must see the shards
+        shard_fsdp(raw_model)  # before the optimizer, which must see the shards
     optimizer = raw_model.configure_optimizers(weight_decay, max_lr, torch.device(device).type)
     scaler = torch.amp.GradScaler(torch.device(device).type, enabled=dtype == 'float16')  # a no-op unless float16
-    start, evaluated, bad_steps = 0, False, 0
+    state = TrainState(raw_model, raw_model, optimizer, scaler, loader)
     if ckpt is not None:
-        start, evaluated, bad_steps = checkpoint.restore(ckpt, ckpt_path, raw_model, optimizer, scaler, train_loader,
-                                                         device, max_bad_steps)
+        checkpoint.restore(state, ckpt, ckpt_path, max_bad_steps)
         del ckpt  # the memory map
         if master:
-            print(f"resuming from {ckpt_path}: step {start}, train data at {train_loader.state()['file']} "
-                  f"token {train_loader.pos:,}")
-        if start > max_steps or (start == max_steps and evaluated):
+            print(f"resuming from {ckpt_path}: step {state.step}, train data at {loader.state()['file']} "
+                  f"token {loader.pos:,}")
+        if state.step > max_steps or (state.step == max_steps and state.evaluated):
             if master:
-                print(f"nothing to do: {ckpt_path} is step {start} and max_steps={max_steps}; raise max_steps to "
+                print(f"nothing to do: {ckpt_path} is step {state.step} and max_steps={max_steps}; raise max_steps to "
                       f"train on, or point log_dir elsewhere to start afresh")
             return 0
     if master:
         print(f"parameters: {sum(p.numel() for p in raw_model.parameters()):,}")
-    if compile:
-        model = torch.compile(model)
-    eval_model = model  # not DDP-wrapped: ranks may run different numbers of eval batches
+    model = torch.compile(raw_model) if compile else raw_model
     if world > 1 and parallel == 'ddp':  # gradients all-reduced during backward; rank 0's weights everywhere
-        model = DDP(model, device_ids=[torch.device(device).index] if device.startswith('cuda') else None)
-    hella_data = hs.load_for_training(hellaswag_file, raw_model, rank, world, device) if hellaswag and eval_interval > 0 else None
+        model = wrap_ddp(model, device)
+    state.model = model
+    hella_data = load_for_training(hellaswag_file, raw_model) if hellaswag and eval_interval > 0 else None
     if master:
-        checkpoint.prepare_log_dir(log_dir, start, evaluated)
+        checkpoint.prepare_log_dir(log_dir, state.step, state.evaluated)
         if wandb_log:
             run_record.wandb_start(config, log_dir)
-    run_record.write(log_dir, config, start, ckpt_path, rank, world, device)  # log_dir/run.json
-    return train(model, eval_model, raw_model, optimizer, scaler, train_loader, val_data, hella_data, start, evaluated,
-                 bad_steps, grad_accum_steps, config, rank, world, device)
+    run_record.write(log_dir, config, state.step, ckpt_path, device)  # log_dir/run.json
+    return train(state, val_data, hella_data, grad_accum_steps, config)
 
 
-def build_model(ckpt, ckpt_path, config, master):
+def build_model(ckpt, ckpt_path, config):
     """The model to train, on the CPU: the checkpoint's shape, a fresh one, or OpenAI/HF weights."""
     if ckpt is not None:  # the weights come from the checkpoint: nothing to download
-        model = GPT(checkpoint.resumed_model_config(ckpt, ckpt_path, config, master))
+        model = GPT(checkpoint.resumed_model_config(ckpt, ckpt_path, config))
     elif init_from == 'scratch':
-        model = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd))
+        model = GPT(GPTConfig.from_dict(config))
     else:
         try:
             model = GPT.from_pretrained(init_from)
         except (ValueError, OSError) as e:  # not a GPT-2, a missing folder, no download
             raise UserError(f"init_from={init_from!r}: {e}") from None
-        if master:
+        if rank == 0:
             print(f"init_from={init_from}: model shape from the weights: {model.config}")
     if T > model.config.block_size:
         raise UserError(f"T={T} is longer than the model's block_size={model.config.block_size}")
     return model
 
 
-def train(model, eval_model, raw_model, optimizer, scaler, loader, val_data, hella_data, start, evaluated, bad_steps,
-          grad_accum_steps, config, rank, world, device):
-    """The loop; returns the exit code. step = updates done: the model as it is is evaluated, sampled
-    and checkpointed when due, then (unless it is the last step) updated: step -> step + 1."""
-    master = rank == 0
+def train(state, val_data, hella_data, grad_accum_steps, config):
+    """The loop; returns the exit code. state.step = updates done: the model as it is is evaluated,
+    sampled and checkpointed when due, then (unless it is the last step) updated: step -> step + 1."""
+    master, start = rank == 0, state.step
 
-    def save(step, val_loss, evaluated):  # rank 0 writes; every rank learns whether it worked
-        checkpoint.save_checkpoint(lambda: checkpoint.checkpoint_state(
-            step, val_loss, evaluated, raw_model, optimizer, scaler, loader, config, bad_steps, rank, device),
-            log_dir, keep_checkpoints, rank, world, device)
+    def save(val_loss):  # rank 0 writes the state as it is; every rank learns whether it worked
+        checkpoint.save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints)
 
-    def preempted(step, val_loss, evaluated, saved):  # SIGTERM: the state after `step` updates, then exit 75
+    def preempted(val_loss, saved):  # SIGTERM: the state after state.step updates, then exit 75
         if not saved:
-            save(step, val_loss, evaluated)
+            save(val_loss)
         if master:
-            print(f"SIGTERM: stopped at step {step}; wrote {os.path.join(log_dir, f'model_{step:05d}.pt')}; run the "
-                  f"same command again to resume (exit code {checkpoint.EXIT_PREEMPTED})")
+            print(f"SIGTERM: stopped at step {state.step}; wrote {os.path.join(log_dir, f'model_{state.step:05d}.pt')}; "
+                  f"run the same command again to resume (exit code {checkpoint.EXIT_PREEMPTED})")
         return checkpoint.EXIT_PREEMPTED
 
     checkpoint.listen_for_sigterm()  # from here on SIGTERM only sets a flag, read at step boundaries
     if master:  # MFU: model FLOPs per second over the peak of all processes' devices
-        fpt, (peak, peak_from) = flops_per_token(raw_model.config, T), peak_flops(device, dtype)
+        fpt, (peak, peak_from) = flops_per_token(state.raw_model.config, T), peak_flops(device, dtype)
         print(f"mfu: against {peak / 1e12:.4g} TFLOP/s per process ({peak_from}), {fpt / 1e6:.4g} MFLOP per token")
     for step in range(start, max_steps + 1):
         last_step = step == max_steps
-        done = step == start and evaluated  # resumed from a checkpoint that did this step's evals
-        if checkpoint.stop_agreed(world, device):  # SIGTERM on any rank: all stop here together
-            return preempted(step, None, False, saved=done)
+        evals_done = state.evaluated  # only on resuming from a checkpoint that did this step's evals
+        if agree(checkpoint.stop_requested):  # SIGTERM on any rank: all stop here together
+            return preempted(None, saved=evals_done)
         do_checkpoint = last_step or (checkpoint_interval > 0 and step > 0 and step % checkpoint_interval == 0)
         do_eval = eval_interval > 0 and (step % eval_interval == 0 or last_step or do_checkpoint)
         do_sample = sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step)
-        if not done and (do_eval or do_sample or do_checkpoint):
-            plain = fsdp.eval_copy(raw_model, optimizer, device) if do_eval or do_sample else None  # FSDP: gathered
-            evaluator = eval_model if plain is raw_model else plain  # DDP: the compiled module, if compiled
-            val_loss = run_evals(evaluator, plain, val_data, hella_data, step, rank, world, device) if do_eval else None
-            if do_sample and master:
-                training_samples(plain, step, sample_prompt, sample_length, device, dtype, log_dir)
-            del plain  # under FSDP its memory goes back before training goes on
+        if not evals_done and (do_eval or do_sample or do_checkpoint):
+            val_loss = evals_and_samples(state, val_data, hella_data, do_eval, do_sample)
+            state.evaluated = True
             if do_checkpoint:
-                save(step, val_loss, True)
-            if not last_step and checkpoint.stop_agreed(world, device):  # SIGTERM during the evals
-                return preempted(step, val_loss, True, saved=do_checkpoint)
+                save(val_loss)
+            if not last_step and agree(checkpoint.stop_requested):  # SIGTERM during the evals
+                return preempted(val_loss, saved=do_checkpoint)
         if last_step:
             return 0
 
         t0 = time.time()
         lr = get_lr(step, max_lr, min_lr, warmup_steps, max_steps)
-        loss, norm, ok, overflow = train_step(model, optimizer, scaler, loader, grad_accum_steps, lr, grad_clip,
-                                              device, dtype, world)
+        loss, norm, ok, overflow = train_step(state, grad_accum_steps, lr, grad_clip, device, dtype)
         loss = loss.item()  # waits for the step to finish: dt is its real time
         dt = time.time() - t0
-        bad_steps = 0 if ok else bad_steps if overflow else bad_steps + 1  # an overflow is neither
+        state.step, state.evaluated = step + 1, False
+        state.bad_steps = 0 if ok else state.bad_steps if overflow else state.bad_steps + 1  # an overflow is neither
         if master and step == start:  # what this rank holds: whole tensors under DDP, shards under FSDP
-            print(f"parameters, gradients and optimizer state per rank: {fsdp.state_mib(raw_model, optimizer):.1f} MiB")
+            print(f"parameters, gradients and optimizer state per rank: {state_mib(state.raw_model, state.optimizer):.1f} MiB")
         if master:
             t_first = time.time() if step == start else t_first  # the first step compiles: the ETA starts after it
             eta = round((dt if step == start else (time.time() - t_first) / (step - start)) * (max_steps - step - 1))
             print(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm.item():.4f} | dt {dt * 1000:.2f}ms | "
                   f"tok/sec {total_batch_size / dt:.2f} | mfu {total_batch_size / dt * fpt / (peak * world):.1%} | "
                   f"eta {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s" +
-                  ("" if ok else f" | float16 overflow: update skipped, loss scale now {scaler.get_scale():g}" if overflow
-                   else f" | non-finite: update skipped ({bad_steps} in a row, max_bad_steps={max_bad_steps})"))
+                  ("" if ok else f" | float16 overflow: update skipped, loss scale now {state.scaler.get_scale():g}"
+                   if overflow else f" | non-finite: update skipped ({state.bad_steps} in a row, max_bad_steps={max_bad_steps})"))
             log(f"{step} train {loss:.6f}")
             if overflow:
-                log(f"{step} overflow {scaler.get_scale():g}")
+                log(f"{step} overflow {state.scaler.get_scale():g}")
             elif not ok:
-                log(f"{step} skip {bad_steps}")
-        if bad_steps >= max_bad_steps:  # stop with a checkpoint: the weights are the last good update's
-            save(step + 1, None, False)
-            raise UserError(f"stopped after {bad_steps} steps in a row with a non-finite loss or gradient norm "
+                log(f"{step} skip {state.bad_steps}")
+        if state.bad_steps >= max_bad_steps:  # stop with a checkpoint: the weights are the last good update's
+            save(None)
+            raise UserError(f"stopped after {state.bad_steps} steps in a row with a non-finite loss or gradient norm "
                             f"(max_bad_steps={max_bad_steps}); {os.path.join(log_dir, f'model_{step + 1:05d}.pt')} "
                             f"holds the last good weights, with the data position after the skipped batches; "
                             f"lower max_lr or check the data, then raise max_bad_steps to resume from it")

@@ -40,12 +40,12 @@ fi
 if [[ $phase == 2 || $phase == all ]]; then
     python3 - <<'EOF'  # a random 124M checkpoint and 1,000 HellaSwag-shaped examples
 import torch
-from bench import write_synthetic_hellaswag
+from hellaswag import write_synthetic
 from model import GPT, GPTConfig
 torch.manual_seed(0)
 torch.save({'config': vars(GPTConfig(vocab_size=50304)), 'model': GPT(GPTConfig(vocab_size=50304)).state_dict()},
            '/tmp/random_124M.pt')
-write_synthetic_hellaswag('/tmp/hellaswag_1000.jsonl', 1000)
+write_synthetic('/tmp/hellaswag_1000.jsonl', 1000)
 EOF
     check hellaswag_bf16 120 python3 hellaswag.py --model /tmp/random_124M.pt --file /tmp/hellaswag_1000.jsonl --dtype bfloat16
     check bench_eager 150 python3 bench.py --compile=False

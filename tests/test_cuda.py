@@ -8,7 +8,8 @@ import torch.nn.functional as F
 import checkpoint
 import train_gpt2
 from conftest import TINY, random_shards, read_log, run_script
-from model import GPT, GPTConfig, LinearCrossEntropy, autocast, resolve_dtype
+from hardware import autocast, resolve_dtype
+from model import GPT, GPTConfig, LinearCrossEntropy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CONFIG = GPTConfig(block_size=128, vocab_size=1024, n_layer=2, n_head=4, n_embd=128)
@@ -54,8 +55,8 @@ def test_training_steps_match_cpu_float32():
         assert optimizer.defaults['fused'] == (device == 'cuda')
         scaler = torch.amp.GradScaler(device, enabled=False)
         loader = Loader(data)
-        steps = [train_gpt2.train_step(model, optimizer, scaler, loader, 2, 1e-3, 1.0, device, 'float32', 1)[:2]
-                 for _ in range(3)]
+        state = train_gpt2.TrainState(model, model, optimizer, scaler, loader)
+        steps = [train_gpt2.train_step(state, 2, 1e-3, 1.0, device, 'float32')[:2] for _ in range(3)]
         out[device] = [(loss.item(), norm.item()) for loss, norm in steps], model.state_dict()
     (cpu_steps, cpu_sd), (gpu_steps, gpu_sd) = out['cpu'], out['cuda']
     for (a_loss, a_norm), (b_loss, b_norm) in zip(cpu_steps, gpu_steps):

@@ -9,7 +9,8 @@ import torch
 from torch.nn import functional as F
 
 import hellaswag
-from model import GPT
+from errors import UserError
+from model import GPT, GPTConfig
 
 WORDS = "a man is seen the woman then they continue to walk dog ball kitchen holds up smiles camera".split()
 
@@ -119,7 +120,7 @@ def test_bad_lines_name_file_and_line(tmp_path):
         write_file(path, good)
         with open(path, "a") as f:
             f.write(bad + "\n")
-        with pytest.raises(hellaswag.HellaSwagError, match=str(path) + message):
+        with pytest.raises(UserError, match=str(path) + message):
             list(hellaswag.iterate_examples(file=str(path)))
 
 
@@ -147,7 +148,7 @@ def test_download(tmp_path):
     body = (tmp_path / "src.jsonl").read_bytes()
     cache = tmp_path / "cache"
     bad = Server(body, truncate=True)
-    with pytest.raises(hellaswag.HellaSwagError, match=r"could not download .* put hellaswag_val.jsonl in .*cache"):
+    with pytest.raises(UserError, match=r"could not download .* put hellaswag_val.jsonl in .*cache"):
         hellaswag.download("val", str(cache), url=bad.url)
     assert os.listdir(cache) == []  # no half file, under any name
     good = Server(body)
@@ -155,7 +156,7 @@ def test_download(tmp_path):
     assert open(path, "rb").read() == body
     assert hellaswag.download("val", str(cache), url="http://127.0.0.1:9/unused") == path  # cached
     assert [e["ind"] for e in hellaswag.iterate_examples("val", cache_dir=str(cache))] == [0, 1, 2, 3, 4]
-    with pytest.raises(hellaswag.HellaSwagError, match="could not download http://127.0.0.1:9/"):
+    with pytest.raises(UserError, match="could not download http://127.0.0.1:9/"):
         hellaswag.download("train", str(cache), url="http://127.0.0.1:9/hellaswag_train.jsonl")
 
 
@@ -179,3 +180,32 @@ def test_standalone_cli(tmp_path, hf_and_ours):
     r = subprocess.run([sys.executable, "hellaswag.py", "--model", str(tmp_path / "hfdir"), "--file",
                         str(tmp_path / "missing.jsonl")], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'missing.jsonl'}: no such file (expected HellaSwag jsonl, one example per line)"
+
+
+def test_synthetic_examples_are_what_write_synthetic_writes(tmp_path):
+    """The benchmarks' examples: valid HellaSwag lines, seeded, and the same bytes as the ones
+    docs/benchmarks.md's figures were measured on (500 examples, seed 0)."""
+    import hashlib
+    hellaswag.write_synthetic(tmp_path / "s.jsonl", 7, seed=3)
+    assert list(hellaswag.iterate_examples(file=str(tmp_path / "s.jsonl"))) == hellaswag.synthetic_examples(7, seed=3)
+    assert hellaswag.synthetic_examples(7, seed=4) != hellaswag.synthetic_examples(7, seed=3)
+    hellaswag.write_synthetic(tmp_path / "500.jsonl", 500)
+    assert hashlib.sha256((tmp_path / "500.jsonl").read_bytes()).hexdigest() == \
+        "b6d28b7768d39827d5e4e9215bb674221a90f44220e790a0c3bd5a6e1645f1ce"
+
+
+def test_load_for_training_in_one_process(tmp_path, hf_and_ours, capsys):
+    """The rendered examples of the file; else None and one warning that says why."""
+    _, ours = hf_and_ours
+    write_file(tmp_path / "h.jsonl", make_examples(3))
+    got = hellaswag.load_for_training(str(tmp_path / "h.jsonl"), ours)
+    want = [hellaswag.render_example(e) for e in make_examples(3)]
+    assert [(t.tolist(), m.tolist(), label) for t, m, label in got] == \
+        [(t.tolist(), m.tolist(), label) for t, m, label in want]
+    assert hellaswag.load_for_training(str(tmp_path / "missing.jsonl"), ours) is None
+    assert capsys.readouterr().out == (f"warning: no HellaSwag eval: {tmp_path / 'missing.jsonl'} not found; "
+                                       f"training goes on without it\n")
+    small = GPT(GPTConfig(block_size=16, vocab_size=300, n_layer=1, n_head=1, n_embd=8))
+    assert hellaswag.load_for_training(str(tmp_path / "h.jsonl"), small) is None
+    assert capsys.readouterr().out == ("warning: no HellaSwag eval: vocab_size=300 is smaller than GPT-2's 50257; "
+                                       "training goes on without it\n")

@@ -185,7 +185,8 @@ def test_linear_cross_entropy_matches_torch(dtype, rtol):
     of rows) against F.linear + F.cross_entropy in float32, under each autocast: same loss, same
     gradients for the hidden states and the (tied) weight."""
     import torch.nn.functional as F
-    from model import LinearCrossEntropy, autocast
+    from hardware import autocast
+    from model import LinearCrossEntropy
     g = torch.Generator().manual_seed(0)
     N, C, V = 100, 64, 50304  # 41 rows per block on CPU: 3 blocks, the last one short
     h, w = torch.randn(N, C, generator=g), torch.randn(V, C, generator=g) * 0.1
@@ -225,3 +226,27 @@ def test_model_training_loss_is_the_plain_loss():
     with torch.no_grad():  # eval: the logits come back, and the same loss
         logits, val = model(x, y)
     assert logits.shape == (3, 16, 300) and abs(val.item() - ref.item()) < 1e-6
+
+
+def test_packed_tokens_give_the_plain_forwards_states():
+    """Sequences of different lengths packed end to end, each token attending to the tokens before
+    it in its own sequence: the hidden states of the plain forward, sequence by sequence; with keep
+    only those rows."""
+    from model import PackedTokens
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=4, n_embd=32)).eval()
+    seqs = [torch.randint(0, 97, (n,)) for n in (5, 9, 3)]
+    B, T = len(seqs), 9
+    mask = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1, 1)  # (B, 1, T, T): free slots see themselves
+    for b, s in enumerate(seqs):
+        mask[b, 0, :len(s), :len(s)] = torch.ones(len(s), len(s), dtype=torch.bool).tril()
+    idx = torch.cat(seqs)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    slots = torch.cat([b * T + torch.arange(len(s)) for b, s in enumerate(seqs)])
+    keep = torch.tensor([0, 7, 16])
+    with torch.no_grad():
+        ref = torch.cat([model.hidden_states(s[None])[0] for s in seqs])  # (17, 32)
+        packed = model.hidden_states(idx, packed=PackedTokens(pos, slots, mask))
+        kept = model.hidden_states(idx, packed=PackedTokens(pos, slots, mask, keep=keep))
+    assert packed.shape == ref.shape and (packed - ref).abs().max().item() < 1e-5
+    assert kept.shape == (3, 32) and (kept - ref[keep]).abs().max().item() < 1e-5

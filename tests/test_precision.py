@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import configurator
+import hardware
 import model
 import train_gpt2
 from conftest import ROOT, read_log, run_script
@@ -28,31 +28,31 @@ def cpuinfo_has_bf16():
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or os.environ.get("ONEDNN_MAX_CPU_ISA") is not None,
                     reason="needs Linux's /proc/cpuinfo, and oneDNN free to use every instruction")
 def test_cpu_bf16_units_are_detected():
-    assert model.cpu_has_bf16() == cpuinfo_has_bf16()
+    assert hardware.cpu_has_bf16() == cpuinfo_has_bf16()
 
 
 def test_auto_picks_by_hardware(monkeypatch):
-    monkeypatch.setattr(model, "cpu_has_bf16", lambda: False)
-    assert model.resolve_dtype("auto", "cpu") == ("float32", "auto: this CPU has no bf16 units; bf16 would be "
+    monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: False)
+    assert hardware.resolve_dtype("auto", "cpu") == ("float32", "auto: this CPU has no bf16 units; bf16 would be "
                                                              "emulated, ~100x slower")
-    monkeypatch.setattr(model, "cpu_has_bf16", lambda: True)
-    assert model.resolve_dtype("auto", "cpu")[0] == "bfloat16"
-    assert model.resolve_dtype("float16", "cpu") == ("float16", "as configured")
+    monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: True)
+    assert hardware.resolve_dtype("auto", "cpu")[0] == "bfloat16"
+    assert hardware.resolve_dtype("float16", "cpu") == ("float16", "as configured")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla V100")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (7, 0))
-    assert model.resolve_dtype("auto", "cuda:0") == ("float16", "auto: Tesla V100 (compute capability 7.0) has no "
+    assert hardware.resolve_dtype("auto", "cuda:0") == ("float16", "auto: Tesla V100 (compute capability 7.0) has no "
                                                                 "bf16; float16 with loss scaling")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
-    assert model.resolve_dtype("auto", "cuda:0")[0] == "bfloat16"
-    assert model.resolve_dtype("auto", "mps")[0] == "float32"
+    assert hardware.resolve_dtype("auto", "cuda:0")[0] == "bfloat16"
+    assert hardware.resolve_dtype("auto", "mps")[0] == "float32"
 
 
 def _agree(rank, store_path, out_path):
     """One rank: its hardware 'has' bf16 on rank 0 only; choose_precision must agree."""
-    configurator.resolve_dtype = lambda dtype, device: ("bfloat16", "x") if rank == 0 else ("float32", "y")
+    hardware.resolve_dtype = lambda dtype, device: ("bfloat16", "x") if rank == 0 else ("float32", "y")
     torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(store_path, 2), rank=rank,
                                          world_size=2)
-    c = configurator.choose_precision(dict(train_gpt2.DEFAULTS), rank, 2, "cpu")
+    c = hardware.choose_precision(dict(train_gpt2.DEFAULTS), "cpu")
     with open(f"{out_path}.{rank}", "w") as f:
         f.write(f"{c['dtype']} {c['compile']}")
     torch.distributed.destroy_process_group()
@@ -66,7 +66,7 @@ def test_every_rank_takes_the_least_capable_choice(tmp_path):
 def test_trainer_says_what_auto_chose(data, tmp_path):
     r = run_script(args(data, tmp_path, "--dtype=auto", "--max_steps=2", "--eval_interval=0"))
     assert r.returncode == 0, r.stderr
-    expected = "bfloat16" if model.cpu_has_bf16() else "float32"
+    expected = "bfloat16" if hardware.cpu_has_bf16() else "float32"
     assert r.stdout.count(f"precision: {expected} (auto: this CPU has ") == 1
     assert torch.load(tmp_path / "model_00002.pt", weights_only=True)["train_config"]["dtype"] == expected
 
@@ -85,7 +85,8 @@ def tiny_step(init_scale, poison):
     if poison:
         m.lm_head.weight.register_hook(lambda g: g * float("inf"))
     before = [p.detach().clone() for p in m.parameters()]
-    _, norm, ok, overflow = train_gpt2.train_step(m, opt, scaler, Batches(), 1, 1e-3, 1.0, "cpu", "float16", 1)
+    state = train_gpt2.TrainState(m, m, opt, scaler, Batches())
+    _, norm, ok, overflow = train_gpt2.train_step(state, 1, 1e-3, 1.0, "cpu", "float16")
     moved = any(not torch.equal(a, p) for a, p in zip(before, m.parameters()))
     return ok, overflow, moved, scaler.get_scale()
 

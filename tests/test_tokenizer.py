@@ -42,3 +42,17 @@ def test_fallback_to_tiktoken_and_its_error(monkeypatch):
         assert calls == ["gpt2"]
     finally:
         tokenizer.get_gpt2_encoding.cache_clear()
+
+
+def test_constants_are_the_encodings(enc):
+    assert (tokenizer.N_VOCAB, tokenizer.EOT) == (enc.n_vocab, enc.eot_token) == (50257, 50256)
+    assert enc.decode([tokenizer.EOT]) == tokenizer.EOT_TEXT
+
+
+def test_local_folder_is_the_first_that_holds_both_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPT2_TOKENIZER_DIR", str(tmp_path))
+    (tmp_path / "vocab.bpe").write_text("")  # no encoder.json beside it: the next folder
+    assert tokenizer.local_gpt2_dirs()[0] == str(tmp_path)
+    assert tokenizer.local_gpt2_folder() == tokenizer.local_gpt2_dirs()[-1]
+    monkeypatch.setattr(tokenizer, "local_gpt2_dirs", lambda: [str(tmp_path)])
+    assert tokenizer.local_gpt2_folder() is None

@@ -63,9 +63,9 @@ def test_step_line_shows_mfu_and_eta(run):
                                         ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10G", 70e12),
                                         ("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12), ("Tesla V100-SXM2-16GB", 125e12)])
 def test_gpu_peak_table(monkeypatch, name, flops):
-    import model
+    import hardware
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert model.peak_flops("cuda:0", "bfloat16") == (flops, f"{name} datasheet")
+    assert hardware.peak_flops("cuda:0", "bfloat16") == (flops, f"{name} datasheet")
 
 
 def test_run_json_records_each_start(run):
@@ -265,6 +265,24 @@ def test_sample_reads_hf_folders_and_openai_names(hf_dir, monkeypatch, capsys):
     monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", lambda name: asked.append(name) or load(hf_dir))
     sample.main(["--model", "gpt2", "--num_samples", "1", "--max_new_tokens", "5", "--device", "cpu"])
     assert asked == ["gpt2"] and capsys.readouterr().out == from_folder  # the same weights, the same text
+
+
+def test_training_samples_are_returned_seeded_by_the_step(hf_dir, capsys):
+    """The trainer's samples: 4 lines, nothing printed, the same for the same step; a model whose
+    vocabulary is not GPT-2's gets one line on the console and no samples."""
+    import ast
+    from model import GPTConfig, load_model
+    model = load_model(str(hf_dir), "cpu")
+    lines = sample.training_samples(model, 5, "Hello, I'm a language model,", 6, "float32")
+    assert [line.split(": ", 1)[0] for line in lines] == [f"step 5 sample {i}" for i in range(4)]
+    assert all(ast.literal_eval(line.split(": ", 1)[1]).startswith("Hello, I'm a language model,") for line in lines)
+    assert sample.training_samples(model, 5, "Hello, I'm a language model,", 6, "float32") == lines
+    assert sample.training_samples(model, 6, "Hello, I'm a language model,", 6, "float32") != lines
+    assert capsys.readouterr().out == "" and not model.training
+    small = GPT(GPTConfig(block_size=16, vocab_size=300, n_layer=1, n_head=1, n_embd=8))
+    assert sample.training_samples(small, 7, "Hello", 6, "float32") == []
+    assert capsys.readouterr().out == ("step 7: no samples: the model's vocab_size=300 is smaller than GPT-2's 50257: "
+                                       "its tokens are not GPT-2's\n")
 
 
 def nanogpt_checkpoint(path):

@@ -1,0 +1,129 @@
+"""
+The device this process computes on: which one ("auto"), in which precision (dtype "auto",
+autocast), what its CPU can do (bf16 units), how its memory is handed out (glibc), and how fast it
+multiplies (peak FLOP/s for MFU). docs/precision.md tells why each choice is made.
+"""
+import ctypes
+import re
+import sys
+import time
+
+import torch
+
+PRECISIONS = ('float32', 'float16', 'bfloat16')  # from the least capable hardware to the most
+AUTOCAST_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+def pick_device(device):
+    """device, with "auto" made concrete: cuda > mps > cpu."""
+    if device != 'auto':
+        return device
+    return 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+
+
+def autocast(device, dtype):
+    """Autocast to dtype ("bfloat16" or "float16") on device; a no-op context for "float32"."""
+    return torch.autocast(torch.device(device).type, dtype=AUTOCAST_DTYPES.get(dtype, torch.bfloat16),
+                          enabled=dtype in AUTOCAST_DTYPES)
+
+
+def cpu_has_bf16():
+    """True where this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 units) and oneDNN uses
+    them; elsewhere (AVX2-only CPUs, ARM here) bf16 matmuls are emulated, ~100x slower than float32."""
+    caps = getattr(torch.cpu, 'get_capabilities', lambda: {})()  # torch >= 2.10
+    try:
+        units = bool(caps.get('avx512_bf16') or caps.get('amx_bf16') or torch.cpu._is_avx512_bf16_supported()
+                     or torch.cpu._is_amx_tile_supported())
+        return units and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):  # an older torch or a build without oneDNN
+        return False
+
+
+def resolve_dtype(dtype, device):
+    """(dtype, why): "auto" made concrete for device, the same answer on every call."""
+    if dtype != 'auto':
+        return dtype, 'as configured'
+    device = torch.device(device)
+    if device.type == 'cuda':
+        name, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+        if cc >= (8, 0):  # Ampere and newer: bf16 tensor cores, float32's range, no loss scaling
+            return 'bfloat16', f'auto: {name} (compute capability {cc[0]}.{cc[1]}) has bf16'
+        return 'float16', (f'auto: {name} (compute capability {cc[0]}.{cc[1]}) has no bf16; float16 with '
+                           f'loss scaling')
+    if device.type == 'cpu':
+        if cpu_has_bf16():
+            return 'bfloat16', 'auto: this CPU has bf16 units, AVX512-BF16 or AMX'
+        return 'float32', 'auto: this CPU has no bf16 units; bf16 would be emulated, ~100x slower'
+    # MPS: float16 gains memory but no arithmetic speed on Apple GPUs and needs loss scaling; bf16
+    # needs macOS 14: float32 is the choice that works everywhere
+    return 'float32', f'auto: float32 on {device.type}'
+
+
+def choose_precision(config, device):
+    """The config with dtype and compile made concrete for this device ("auto"), the same on every
+    rank; rank 0 says what it chose and why."""
+    import parallel  # the trainer's path only: the tools that use this file need none of DDP's and FSDP's imports
+    dtype, why = resolve_dtype(config['dtype'], device)
+    least = PRECISIONS[parallel.agree(PRECISIONS.index(dtype), 'min')]  # every rank must compute alike
+    if least != dtype:
+        dtype, why = least, 'auto: the choice of a rank whose hardware has less'
+    if parallel.rank() == 0:
+        print(f"precision: {dtype} ({why}){', with loss scaling' if dtype == 'float16' else ''}")
+        if dtype == 'bfloat16' and torch.device(device).type == 'cpu' and not cpu_has_bf16():
+            print("warning: this CPU has no bf16 units: bfloat16 is emulated, ~100x slower than float32 (dtype='auto' "
+                  "picks float32 here)")
+    compiled = torch.device(device).type == 'cuda' if config['compile'] == 'auto' else config['compile']
+    return dict(config, dtype=dtype, compile=compiled)
+
+
+def reuse_freed_memory():
+    """CPU on Linux: glibc hands every large tensor (the logits: B*T*vocab floats) back to the OS
+    when it is freed, and the next step page-faults gigabytes of zeroed pages back in: on a CPU
+    that system time can be half the step. Serve large blocks from the heap and never trim it
+    instead: faster steps for more peak memory (docs/precision.md)."""
+    if not sys.platform.startswith('linux'):
+        return
+    mallopt = getattr(ctypes.CDLL(None), 'mallopt', None)  # glibc; absent on musl
+    if mallopt is not None:
+        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+        mallopt(M_MMAP_MAX, 0)
+        mallopt(M_TRIM_THRESHOLD, -1)  # -1 is SIZE_MAX to glibc: never trim
+
+
+def sync(device):
+    """Wait for the device's queued work (for timing)."""
+    if device.startswith('cuda'):
+        torch.cuda.synchronize()
+    elif device == 'mps':
+        torch.mps.synchronize()
+
+
+# dense bf16/fp16 tensor-core peaks from NVIDIA's datasheets (FLOP/s), the first name that matches
+GPU_PEAK_FLOPS = (('H200', 989e12), ('H100 PCIe', 756e12), ('H100 NVL', 835e12), ('H100', 989e12), ('A100', 312e12),
+                  ('L40S', 362e12), ('L40', 181e12), ('A10G', 70e12), ('A10', 125e12), ('L4', 121e12),
+                  ('RTX 4090', 165e12), ('RTX 3090', 71e12), ('V100', 125e12), ('B200', 2250e12))
+
+
+def matmul_flops(device, dtype, n=None, reps=10):
+    """FLOP/s of an n x n @ n x n matmul in dtype on device (bf16/fp16 inputs, as autocast makes them)."""
+    n = n or (8192 if device.startswith('cuda') else 2048)
+    a, b = (torch.randn(n, n, device=device, dtype=AUTOCAST_DTYPES.get(dtype, torch.float32)) for _ in range(2))
+    for _ in range(2):
+        a @ b
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+
+
+def peak_flops(device, dtype):
+    """(FLOP/s, where from) for MFU: a known NVIDIA GPU's datasheet peak in bf16/fp16, else a
+    small matmul measured now (CPUs, float32, other GPUs)."""
+    if device.startswith('cuda') and dtype in AUTOCAST_DTYPES:
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_FLOPS:  # the longer names first: 'L40' before 'L4'
+            if re.search(rf"\b{key}\b", name):
+                return flops, f"{name} datasheet"
+    return matmul_flops(device, dtype, n=512 if device == 'cpu' else 4096, reps=5), "measured matmul"

@@ -1,0 +1,229 @@
+"""
+What talks across processes, in one place: the torchrun restart store, the end of the process
+group, the one helper by which all ranks agree on a decision, the DDP and FSDP wrappings, the
+gradient-sync toggle, the global gradient norm, the whole model for the evals, the full state for
+checkpoints, and what each rank holds. train_gpt2.py starts the process group (from torchrun's
+RANK, LOCAL_RANK, WORLD_SIZE) and all-reduces its losses and HellaSwag counts in the open; every
+other collective of the trainer is here. docs/ddp.md and docs/fsdp.md tell the whole story.
+
+parallel="fsdp" is PyTorch's FSDP2 (fully_shard), for models whose weights, gradients and AdamW
+state do not fit on every GPU whole, as DDP keeps them (docs/ddp.md, 12). Each transformer block,
+and the root (embeddings, final norm, the tied output layer), becomes one FSDP unit: every rank
+keeps a 1/world_size shard of each parameter, of its gradient and of its AdamW state; before a
+unit runs its parameters are all-gathered, after its backward its gradients are reduce-scattered.
+Precision stays autocast, as under DDP, so FSDP and DDP compute the same numbers (FSDP's
+MixedPrecisionPolicy would all-gather in bf16, half the traffic, but would also run layer norms
+and the residual stream in bf16). The rest of the trainer sees full tensors only: checkpoints hold
+the full state, in DDP's format, and the evals run on a plain copy of the whole model.
+"""
+import gc
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+# -----------------------------------------------------------------------------
+# the process group: who this process is, how a torchrun restart meets, how it ends
+
+
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def restart_store():
+    """The store for init_process_group under torchrun: None (torchrun's own), or on one node a
+    fresh key space per restart attempt. torchrun's agent store outlives a worker group, and a
+    restarted group would read the dead group's keys (a hang or a failed connect)."""
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    if int(os.environ.get('GROUP_WORLD_SIZE', 1)) == 1:  # one node's agent counts the attempts, so they key it
+        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), int(os.environ['WORLD_SIZE']),
+                              is_master=False, timeout=timedelta(minutes=10))
+        return dist.PrefixStore(f"train_gpt2/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    if int(os.environ['RANK']) == 0 and int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)) > 0:  # nodes count apart
+        print("warning: restarts on several nodes: a restarted worker group can read the dead group's keys in "
+              "torchrun's shared store; launch torchrun with --rdzv-backend=c10d and "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so that each group meets in a new store (see docs/resume.md)")
+    return None
+
+
+def end_process_group(finished):
+    """Leave the process group. finished: every rank got to the end of the run, so they wait for
+    each other first (no rank tears down while rank 0 still writes its last checkpoint)."""
+    if not dist.is_initialized():
+        return
+    try:
+        if finished:
+            dist.barrier()
+    finally:
+        gc.collect()  # FSDP's sharded tensors hold gloo work: free them while Python is whole
+        dist.destroy_process_group()
+
+
+def collective_device():
+    """Where small tensors for collectives live: the GPU for NCCL (it reads nothing else), the CPU for gloo."""
+    return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
+
+
+def agree(value, op='max'):
+    """value (a bool or an int) combined over all ranks, the same answer on every rank: with 'max',
+    a flag is True when it is True on any rank; with 'min', only when it is True on every rank.
+    Every decision that all ranks must take together goes through here."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor(int(value), device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == 'max' else dist.ReduceOp.MIN)
+    return type(value)(t.item())
+
+
+def from_rank0(value):
+    """Rank 0's int, on every rank."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor(value, device=collective_device())
+    dist.broadcast(t, 0)
+    return t.item()
+
+
+def barrier():
+    if world_size() > 1:
+        dist.barrier()
+
+
+def gather_objects(obj):
+    """[obj of rank 0, of rank 1, ...] on every rank (small picklable objects: names, hosts)."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+# -----------------------------------------------------------------------------
+# training: DDP or FSDP, the gradient-sync toggle, the global gradient norm
+
+
+def wrap_ddp(model, device):
+    """DDP: gradients all-reduced during backward (bucket by bucket); rank 0's weights everywhere at start."""
+    return DDP(model, device_ids=[torch.device(device).index] if device.startswith('cuda') else None)
+
+
+def without_ddp(model):
+    """The module inside DDP's wrapper (the compiled one, if compiled): for evals, where ranks run
+    different numbers of batches and no gradient is synchronised."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def shard_fsdp(model):
+    """FSDP: shard model in place (before the optimizer is built: it must see the sharded parameters)."""
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)  # the rest: wte (= lm_head, one parameter), wpe, ln_f
+    if rank() == 0:
+        print(f"fsdp: {len(model.transformer.h) + 1} units, each sharded over {world_size()} process(es)")
+    return model
+
+
+def unwrapped(model):
+    return getattr(model, '_orig_mod', model)  # under torch.compile's wrapper
+
+
+def is_sharded(model):
+    return isinstance(unwrapped(model), FSDPModule)
+
+
+def require_backward_grad_sync(model, sync):
+    """Whether this micro-step's backward synchronises gradients across ranks: DDP's all-reduce or
+    FSDP's reduce-scatter. Off for all micro-steps but the last: the gradients accumulate locally.
+    A plain module (one process) has nothing to synchronise."""
+    if is_sharded(model):
+        unwrapped(model).set_requires_gradient_sync(sync)
+    elif isinstance(model, DDP):
+        model.require_backward_grad_sync = sync  # DDP reads it in forward, for the backward that follows
+
+
+def full(t):
+    """A DTensor gathered whole on every rank (a collective); any other tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm(model, max_norm):
+    """Clip the gradients to a global norm of max_norm (0: no clipping) and return that norm, the
+    same on every rank: DDP's gradients are already whole; FSDP's shards make it a collective."""
+    return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float('inf')))
+
+# -----------------------------------------------------------------------------
+# evals and checkpoints: the whole model, the full state
+
+
+def whole_models(model, raw_model, optimizer, device):
+    """(model, raw_model) for this step's evals and samples: model without DDP's wrapper (compiled,
+    if compiled) and the plain raw_model. Under FSDP both are one plain GPT holding the whole
+    weights, gathered: 4 bytes per parameter on every rank, for as long as the caller holds it
+    (keep it in a function's locals: it goes when the function returns). The gradients are freed
+    first to make room (the next step zeroes them anyway)."""
+    if not is_sharded(raw_model):
+        return without_ddp(model), raw_model
+    from model import GPT
+    optimizer.zero_grad(set_to_none=True)
+    with torch.device('meta'):  # no memory, no random init (the run's RNG stream stays as it was)
+        copy = GPT(raw_model.config)
+    copy.to_empty(device=device)
+    copy.lm_head.weight = copy.transformer.wte.weight  # to_empty unties them
+    with torch.no_grad():
+        targets = dict(copy.named_parameters())
+        for name, p in raw_model.named_parameters():
+            targets[name].copy_(full(p))
+    return copy, copy
+
+
+def full_state(model, optimizer):
+    """(model state_dict, optimizer state_dict), full, on rank 0 (None, None elsewhere); every rank
+    must call it. Under FSDP gathered one tensor at a time and moved to the CPU: rank 0 holds at
+    most one full copy of the state, in the same format as DDP's."""
+    if not is_sharded(model):
+        return (model.state_dict(), optimizer.state_dict()) if rank() == 0 else (None, None)
+    gathered = {}
+
+    def keep(t):  # the tied wte/lm_head weight is gathered once, and saved once
+        if id(t) not in gathered:
+            whole = full(t)
+            gathered[id(t)] = whole.cpu() if rank() == 0 else None
+        return gathered[id(t)]
+    model_state = {k: keep(v) for k, v in model.state_dict().items()}
+    opt = optimizer.state_dict()  # indexed by position in the param groups, as without FSDP
+    opt_state = {i: {k: keep(v) if torch.is_tensor(v) else v for k, v in s.items()} for i, s in opt['state'].items()}
+    return (model_state, {'state': opt_state, 'param_groups': opt['param_groups']}) if rank() == 0 else (None, None)
+
+
+def load_full_state(model, optimizer, model_state, opt_state):
+    """Load full state dicts (every rank holds them: the checkpoint is read on every rank) into the
+    model and its optimizer; under FSDP each rank keeps its own shards."""
+    if not is_sharded(model):
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(opt_state)
+        return
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(distribute_tensor(model_state[name].to(p.device), p.device_mesh, p.placements, src_data_rank=None))
+    order = [p for group in optimizer.param_groups for p in group['params']]
+    state = {i: {k: distribute_tensor(v.to(order[i].device), order[i].device_mesh, order[i].placements,
+                                      src_data_rank=None) if torch.is_tensor(v) and v.dim() > 0 else v
+                 for k, v in s.items()} for i, s in opt_state['state'].items()}
+    optimizer.load_state_dict({'state': state, 'param_groups': opt_state['param_groups']})
+
+
+def state_mib(model, optimizer):
+    """MiB of parameters, gradients and optimizer state that this rank holds (its shards under
+    FSDP; whole tensors under DDP or one process)."""
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
+    tensors += [local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2 ** 20
