@@ -89,6 +89,7 @@ DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isin
 # WORLD_SIZE); plain `python` is a world of one. Every rank runs all of this script.
 
 rank, world = 0, 1  # this process among all, set by main() from torchrun's environment
+config = DEFAULTS  # set by main(): the constants as run, recorded in run.json and the checkpoints
 
 
 def setup_device(device, cpu_reuse_memory=False):
@@ -272,10 +273,10 @@ def train_step(state, grad_accum_steps, lr, grad_clip, device, dtype):
 
 
 # -----------------------------------------------------------------------------
-# the run: main, run and train read the constants above (as overridden) and rank, world
+# the run: main sets the constants (as overridden), rank and world; the rest reads them
 
 def main(argv=None):
-    global rank, world, device, dtype, compile
+    global rank, world, device, dtype, compile, config
     master = int(os.environ.get('RANK', 0)) == 0
     try:
         config = parse_config(sys.argv[1:] if argv is None else argv, DEFAULTS, __doc__)  # -h prints the constants
@@ -287,7 +288,7 @@ def main(argv=None):
     try:
         config = choose_precision(config, device)  # the same dtype on every rank
         dtype, compile = config['dtype'], config['compile']
-        code = run(config)
+        code = run()
         run_record.wandb_finish()
     except UserError as e:
         sys.exit(f"error: {e}" if master else 1)  # one line on stderr, exit code 1
@@ -297,7 +298,7 @@ def main(argv=None):
         sys.exit(code)
 
 
-def run(config):
+def run():
     """Set up the data, the model (fresh, pretrained or resumed) and the optimizer, then train;
     returns the exit code: 0, or checkpoint.EXIT_PREEMPTED after a SIGTERM."""
     master = rank == 0
@@ -320,7 +321,7 @@ def run(config):
 
     # resume="auto": the newest checkpoint of log_dir that loads (the same command resumes a stopped run)
     ckpt_path, ckpt = checkpoint.find_checkpoint(log_dir, resume, device)
-    raw_model = build_model(ckpt, ckpt_path, config)
+    raw_model = build_model(ckpt, ckpt_path)
     loader = DataLoaderLite(B, T, rank, world, 'train', data_root, grad_accum_steps, raw_model.config.vocab_size)
     val_data = load_val_tokens(data_root, val_tokens // T * T, raw_model.config.vocab_size) if eval_interval > 0 else None
     raw_model.to(device)  # not wrapped: state_dict without prefixes; sharded in place under FSDP
@@ -352,10 +353,10 @@ def run(config):
         if wandb_log:
             run_record.wandb_start(config, log_dir)
     run_record.write(log_dir, config, state.step, ckpt_path, device)  # log_dir/run.json
-    return train(state, val_data, hella_data, grad_accum_steps, config)
+    return train(state, val_data, hella_data, grad_accum_steps)
 
 
-def build_model(ckpt, ckpt_path, config):
+def build_model(ckpt, ckpt_path):
     """The model to train, on the CPU: the checkpoint's shape, a fresh one, or OpenAI/HF weights."""
     if ckpt is not None:  # the weights come from the checkpoint: nothing to download
         model = GPT(checkpoint.resumed_model_config(ckpt, ckpt_path, config))
@@ -373,7 +374,7 @@ def build_model(ckpt, ckpt_path, config):
     return model
 
 
-def train(state, val_data, hella_data, grad_accum_steps, config):
+def train(state, val_data, hella_data, grad_accum_steps):
     """The loop; returns the exit code. state.step = updates done: the model as it is is evaluated,
     sampled and checkpointed when due, then (unless it is the last step) updated: step -> step + 1."""
     master, start = rank == 0, state.step

@@ -40,7 +40,7 @@ def test_what_other_files_import_from_the_trainer_reads_no_constant():
                   for a in f.args.args + f.args.kwonlyargs}
         stored = {n.id for n in ast.walk(top[name]) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
         loaded = {n.id for n in ast.walk(top[name]) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-        read = sorted((loaded - params - stored) & (set(train_gpt2.DEFAULTS) | {"rank", "world"}))
+        read = sorted((loaded - params - stored) & (set(train_gpt2.DEFAULTS) | {"rank", "world", "config"}))
         if read:
             readers[name] = read
     assert not readers, readers
