@@ -243,8 +243,9 @@ def bench_step(c, argv, device):
 
 def bench_hellaswag(c, config, device):
     """Examples/s of hellaswag.evaluate (batched, output layer at ending positions only) against
-    one example per forward with the output layer everywhere (build-nanogpt), same model, same
-    HellaSwag-sized synthetic examples (contexts of 20-45 words, endings of 8-25)."""
+    one example per forward with the output layer everywhere (build-nanogpt), same model, the same
+    256 synthetic examples (hellaswag.synthetic_examples: contexts of 6-36 words, endings of 3-20,
+    as the val split's first ones; before 2026-12-01 this bench made its own, of 20-45 and 8-25)."""
     torch.manual_seed(c['seed'])
     model = GPT(config).to(device).eval()
     rendered = [hellaswag.render_example(e) for e in hellaswag.synthetic_examples(256)]

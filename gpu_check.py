@@ -35,6 +35,7 @@ import torch
 import hellaswag
 import train_gpt2
 from configurator import parse_config
+from errors import UserError
 from hardware import choose_precision, matmul_flops, sync
 from model import GPT, GPTConfig, flops_per_token
 from tokenizer import N_VOCAB
@@ -68,7 +69,10 @@ def time_evals(c, config, device, n_examples):
 
 def main():
     defaults = dict(train_gpt2.DEFAULTS, check_evals=10042)
-    c = parse_config(sys.argv[1:], defaults, __doc__)
+    try:
+        c = parse_config(sys.argv[1:], defaults, __doc__)
+    except UserError as e:
+        sys.exit(f"error: {e}")
     eval_tokens, n_hella = c['val_tokens'], c['check_evals']  # for the evals' timing (the runs' evals are small)
     mine = [a for a in sys.argv[1:] if not a.startswith(('--check_evals=', '--val_tokens='))]  # the rest: to the trainer
     overrides = ["--max_steps=30", "--eval_interval=10", f"--val_tokens={c['total_batch_size']}", "--hellaswag=False",

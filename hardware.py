@@ -29,7 +29,8 @@ def autocast(device, dtype):
 
 def cpu_has_bf16():
     """True where this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 units) and oneDNN uses
-    them; elsewhere (AVX2-only CPUs, ARM here) bf16 matmuls are emulated, ~100x slower than float32."""
+    them; elsewhere (AVX2-only CPUs, ARM here) bf16 matmuls are emulated, far slower than float32
+    (docs/precision.md has a measure)."""
     caps = getattr(torch.cpu, 'get_capabilities', lambda: {})()  # torch >= 2.10
     try:
         units = bool(caps.get('avx512_bf16') or caps.get('amx_bf16') or torch.cpu._is_avx512_bf16_supported()
@@ -80,7 +81,7 @@ def reuse_freed_memory():
     """CPU on Linux: glibc hands every large tensor (the logits: B*T*vocab floats) back to the OS
     when it is freed, and the next step page-faults gigabytes of zeroed pages back in: on a CPU
     that system time can be half the step. Serve large blocks from the heap and never trim it
-    instead: faster steps for more peak memory (docs/precision.md)."""
+    instead: faster steps for more peak memory (docs/benchmarks.md)."""
     if not sys.platform.startswith('linux'):
         return
     mallopt = getattr(ctypes.CDLL(None), 'mallopt', None)  # glibc; absent on musl

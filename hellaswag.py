@@ -150,13 +150,17 @@ def blocks_through_onednn(model):
     w = model.lm_head.weight
     on = FUSED_LINEAR and w.is_cpu and w.dtype == torch.float32 and not torch.is_autocast_enabled('cpu')
     layers = [m for m in model.transformer.h.modules() if isinstance(m, nn.Linear)] if on else []  # else as it is
+    before = [layer.__dict__.get('forward') for layer in layers]  # None: the class's (nested use keeps the outer)
     try:
         for layer in layers:
             layer.forward = functools.partial(onednn_linear, layer)  # the instance's, before the class's
         yield
     finally:
-        for layer in layers:
-            layer.__dict__.pop('forward', None)
+        for layer, forward in zip(layers, before):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
 
 
 def token_losses(model, h, rows, targets, device, dtype):

@@ -77,6 +77,7 @@ def agree(value, op='max'):
     """value (a bool or an int) combined over all ranks, the same answer on every rank: with 'max',
     a flag is True when it is True on any rank; with 'min', only when it is True on every rank.
     Every decision that all ranks must take together goes through here."""
+    assert op in ('max', 'min'), op
     if world_size() == 1:
         return value
     t = torch.tensor(int(value), device=collective_device())

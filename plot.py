@@ -15,6 +15,7 @@ import os
 import sys
 
 from atomic import atomic_write
+from errors import UserError
 
 KINDS = ('train', 'val', 'hella')
 IGNORED = ('skip', 'overflow')  # the trainer's rare event lines: not curves
@@ -27,9 +28,9 @@ def read_log(log_dir):
     warning that names them."""
     path = os.path.join(log_dir, 'log.txt')
     if not os.path.isdir(log_dir):
-        raise FileNotFoundError(f"{log_dir}: no such folder")
+        raise UserError(f"{log_dir}: no such folder")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{log_dir}: no log.txt in this folder (is it a run's log_dir?)")
+        raise UserError(f"{log_dir}: no log.txt in this folder (is it a run's log_dir?)")
     curves = {kind: ([], []) for kind in KINDS}
     with open(path, errors='replace') as f:
         for lineno, line in enumerate(f, 1):
@@ -103,7 +104,7 @@ def main(argv=None):
     for log_dir in args.log_dirs:
         try:
             curves = read_log(log_dir)
-        except OSError as e:
+        except (UserError, OSError) as e:
             sys.exit(f"error: {e}")
         if not any(values for _, values in curves.values()):
             sys.exit(f"error: {os.path.join(log_dir, 'log.txt')}: no train, val or hella lines")

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from errors import UserError
 from hardware import autocast, pick_device, resolve_dtype
 from model import load_model
 from tokenizer import EOT, get_gpt2_encoding
@@ -22,7 +23,7 @@ def encode_prompt(enc, prompt, model):
     """Token ids of prompt (GPT-2's <|endoftext|> alone when it is empty, as GPT-2 starts
     unconditional samples), checked against the model's vocabulary and length."""
     if model.config.vocab_size < enc.n_vocab:
-        raise ValueError(f"the model's vocab_size={model.config.vocab_size} is smaller than GPT-2's {enc.n_vocab}: "
+        raise UserError(f"the model's vocab_size={model.config.vocab_size} is smaller than GPT-2's {enc.n_vocab}: "
                          f"its tokens are not GPT-2's")
     ids = enc.encode(prompt) or [EOT]
     if len(ids) > model.config.block_size:  # generate would keep the last block_size tokens anyway
@@ -44,7 +45,7 @@ def training_samples(model, step, prompt, length, dtype):
     enc = get_gpt2_encoding()
     try:
         ids = encode_prompt(enc, prompt, model)
-    except ValueError as e:
+    except UserError as e:
         print(f"step {step}: no samples: {e}")
         return []
     model.eval()  # it stays so until train_step's model.train()
@@ -85,7 +86,7 @@ def main(argv=None):
         enc = get_gpt2_encoding()
         idx = torch.tensor([encode_prompt(enc, prompt, model)], dtype=torch.long, device=device)
         generator = torch.Generator(device=device).manual_seed(args.seed)
-    except (ValueError, OSError, RuntimeError, AssertionError) as e:  # AssertionError: torch without CUDA
+    except (UserError, ValueError, OSError, RuntimeError, AssertionError) as e:  # AssertionError: torch without CUDA
         sys.exit(f"error: {e}")
     for i in range(args.num_samples):  # one at a time: each is printed when it is done
         with autocast(device, dtype):

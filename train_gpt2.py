@@ -9,8 +9,8 @@ One run, top to bottom: the constants (edit them here, or override them with con
 --key=value arguments: configurator.py); DDP setup from torchrun's environment; the data; the
 evaluations; one training step with gradient accumulation; the loop that evaluates, samples,
 checkpoints and stops. The run's functions (main, run, build_model, train, evals_and_samples)
-read the constants; what other files import (DataLoaderLite, evaluate, TrainState, train_step)
-takes what it needs as arguments. Other collectives: parallel.py; checkpoints, resuming and
+read the constants; what other files import (setup_device, DataLoaderLite, evaluate, get_lr,
+train_step) takes what it needs as arguments. Other collectives: parallel.py; checkpoints, resuming and
 SIGTERM (checkpoint, exit 75): checkpoint.py; the DDP parts explained: docs/ddp.md.
 """
 import math
@@ -74,7 +74,7 @@ hellaswag_file = ""  # a HellaSwag jsonl file; "" = the val split, downloaded on
 device = "auto"  # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps; torchrun uses cuda:LOCAL_RANK
 dtype = "auto"  # auto (what the hardware does fast, printed at start), bfloat16, float16 (+ loss scaling), float32
 compile = "auto"  # torch.compile the model: auto = on CUDA (slow to start, faster to run), off elsewhere; True, False
-cpu_reuse_memory = True  # CPU on Linux: keep freed memory for reuse: faster steps, more peak RSS (docs/precision.md)
+cpu_reuse_memory = True  # CPU on Linux: keep freed memory for reuse: faster steps, more peak RSS (docs/benchmarks.md)
 parallel = "ddp"  # with torchrun: "ddp" (a whole copy of the state per GPU) or "fsdp" (sharded: parallel.py)
 seed = 1337
 # Weights & Biases (rank 0; the numbers of log.txt): pip install -r requirements-wandb.txt
@@ -208,12 +208,11 @@ def evals_and_samples(state, val_data, hella_data, do_eval, do_sample):
         if rank == 0:
             print(f"step {step:5d} | hellaswag acc_norm {correct_norm}/{n} = {correct_norm / n:.4f} (acc {correct / n:.4f})")
             log(f"{step} hella {correct_norm / n:.4f}")
-    if do_sample and rank == 0:  # seeded by the step: a resumed run writes the same samples
-        lines = training_samples(raw_model, step, sample_prompt, sample_length, dtype)
+    lines = training_samples(raw_model, step, sample_prompt, sample_length, dtype) if do_sample and rank == 0 else []
+    if lines:  # seeded by the step: a resumed run writes the same samples
+        print("\n".join(lines))
         with open(os.path.join(log_dir, 'samples.txt'), 'a') as f:
-            for line in lines:
-                print(line)
-                f.write(line + "\n")
+            f.write("".join(line + "\n" for line in lines))
     return val_loss
 
 
@@ -403,7 +402,7 @@ def train(state, val_data, hella_data, grad_accum_steps):
         do_eval = eval_interval > 0 and (step % eval_interval == 0 or last_step or do_checkpoint)
         do_sample = sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step)
         if not evals_done and (do_eval or do_sample or do_checkpoint):
-            val_loss = evals_and_samples(state, val_data, hella_data, do_eval, do_sample)
+            val_loss = evals_and_samples(state, val_data, hella_data, do_eval, do_sample) if do_eval or do_sample else None
             state.evaluated = True
             if do_checkpoint:
                 save(val_loss)

@@ -209,3 +209,20 @@ def test_load_for_training_in_one_process(tmp_path, hf_and_ours, capsys):
     assert hellaswag.load_for_training(str(tmp_path / "h.jsonl"), small) is None
     assert capsys.readouterr().out == ("warning: no HellaSwag eval: vocab_size=300 is smaller than GPT-2's 50257; "
                                        "training goes on without it\n")
+
+
+def test_onednn_routing_is_undone_on_the_way_out():
+    """blocks_through_onednn patches the blocks' linear layers for the scoring only: after the
+    block (an error inside included, a nested use too) the model is the model it was."""
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16))
+    layers = [m for m in model.transformer.h.modules() if isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(3, layer.in_features) for layer in layers]
+    want = [layer(x) for layer, x in zip(layers, xs)]
+    with pytest.raises(RuntimeError, match="inside"):
+        with hellaswag.blocks_through_onednn(model):
+            with hellaswag.blocks_through_onednn(model):
+                pass
+            assert all(("forward" in m.__dict__) == hellaswag.FUSED_LINEAR for m in layers)  # the outer's stays
+            assert all(torch.allclose(layer(x), w, atol=1e-6) for layer, x, w in zip(layers, xs, want))
+            raise RuntimeError("inside")
+    assert not any("forward" in m.__dict__ for m in layers)

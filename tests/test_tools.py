@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 
-import export_hf
 import plot
 import sample
 from conftest import ROOT, TINY, random_shards, read_log, run_script
