@@ -2,7 +2,7 @@
 Speed and memory of the training step, the instrument behind every speed claim of this project.
 
     python bench.py [config/NAME.py] [--key=value ...] [--bench_steps=5] [--bench_warmup=2]
-    python bench.py --bench_loader_tokens=100000000   # the data loader's memory instead
+    python bench.py --bench_loader_tokens=100000000   # the data loader's memory and time instead
     python bench.py config/demo_cpu.py --bench_hellaswag=True   # HellaSwag scoring speed instead
     python bench.py --bench_hellaswag_process=True   # python hellaswag.py vs build-nanogpt's loop, whole process
     python bench.py --bench_profile=True   # on CUDA: then one step under torch.profiler, by kernel kind
@@ -16,10 +16,12 @@ them (full logits, F.cross_entropy, glibc's default memory handling) on the same
 batch as the baseline, and both ratios: time per step and peak memory. Each of the two runs in a
 process of its own (a clean heap, its own peak). total_batch_size must be a multiple of B*T.
 
-With bench_loader_tokens > 0 it measures the loader instead: the anonymous memory (RssAnon, not
-the page cache) that DataLoaderLite adds while reading a shard of that many tokens and of a
-tenth of it, against loading the shard whole as int64 tokens (build-nanogpt's loader), in the
-same run.
+With bench_loader_tokens > 0 it measures the loader instead, on synthetic shards of that many
+tokens and of a tenth of it (documents of ~1,000 tokens), in order and shuffled: the anonymous
+memory (RssAnon, not the page cache) that DataLoaderLite adds while reading the whole shard, the
+time to open it (shuffled: to find its documents and draw their order) and its time per
+optimizer step at total_batch_size; and loading the shard whole as int64 tokens (build-nanogpt's
+loader), in the same run.
 """
 import json
 import os
@@ -39,7 +41,7 @@ from configurator import parse_config
 from errors import UserError
 from hardware import autocast, choose_precision, cpu_has_bf16, matmul_flops, sync
 from model import GPT, GPTConfig, flops_per_token
-from tokenizer import N_VOCAB
+from tokenizer import EOT, N_VOCAB
 
 
 class RandomTokens:
@@ -63,28 +65,37 @@ def rss_anon_mib():
 
 def bench_loader(c):
     B, T, n_max = c['B'], c['T'], c['bench_loader_tokens']
+    accum = max(1, c['total_batch_size'] // (B * T))
     with tempfile.TemporaryDirectory() as tmp:
         for n in (n_max // 10, n_max):
             folder = os.path.join(tmp, str(n))
             os.makedirs(folder)
             path = os.path.join(folder, 'bench_train_000000.npy')
-            np.save(path, np.random.default_rng(0).integers(0, N_VOCAB, n, dtype=np.uint16))
-            base = rss_anon_mib()
-            loader = train_gpt2.DataLoaderLite(B, T, 0, 1, 'train', folder)
-            steps = n // (B * T) - 1
-            t0 = time.perf_counter()
-            for _ in range(steps):  # the whole shard
-                loader.next_batch()
-            dt = time.perf_counter() - t0
-            ours = rss_anon_mib() - base
-            del loader
+            rng = np.random.default_rng(0)
+            tokens = rng.integers(0, N_VOCAB, n, dtype=np.uint16)
+            tokens[rng.integers(0, n, n // 1000)] = EOT  # documents of ~1,000 tokens, as FineWeb-Edu's
+            np.save(path, tokens)
+            del tokens
+            for shuffle in (False, True):
+                base = rss_anon_mib()
+                t0 = time.perf_counter()
+                loader = train_gpt2.DataLoaderLite(B, T, 0, 1, 'train', folder, accum, shuffle=shuffle, seed=c['seed'])
+                build = time.perf_counter() - t0  # the shard's length; shuffled: its documents and their order
+                t0 = time.perf_counter()
+                for _ in range(loader.steps_per_epoch * accum):  # the whole shard
+                    loader.next_batch()
+                steps = loader.steps_per_epoch
+                dt = (time.perf_counter() - t0) / steps
+                ours = rss_anon_mib() - base
+                del loader
+                print(f"shard of {n:,} tokens, shuffle={shuffle}: DataLoaderLite +{ours:,.1f} MiB anonymous memory, "
+                      f"ready in {build:.2f} s, {dt * 1e3:.1f} ms per step of {B * T * accum:,} tokens "
+                      f"({steps:,} steps)")
             base = rss_anon_mib()
             tokens = torch.tensor(np.load(path).astype(np.int64))  # the whole shard in memory
             whole = rss_anon_mib() - base
             del tokens
-            print(f"shard of {n:,} tokens: DataLoaderLite +{ours:,.1f} MiB anonymous memory over {steps:,} batches "
-                  f"({steps * B * T / dt / 1e6:,.0f}M tok/s); whole-shard int64 load +{whole:,.1f} MiB "
-                  f"(ratio {ours / max(whole, 1e-9):.4f})")
+            print(f"shard of {n:,} tokens: build-nanogpt's whole-shard int64 load +{whole:,.1f} MiB")
 
 
 def peak_memory_mib(device):

@@ -90,6 +90,8 @@ def check_config(c):
                 'checkpoint_interval'):
         if c[key] < 0:
             raise UserError(f"config key {key!r} must be >= 0, got {c[key]}")
+    if c['eval_interval'] > 0 and c['val_tokens'] < c['T']:
+        raise UserError(f"val_tokens={c['val_tokens']} is less than one sequence of T={c['T']} tokens")
     if c['keep_checkpoints'] < 0 or c['max_bad_steps'] < 1:
         raise UserError(f"keep_checkpoints must be >= 0 and max_bad_steps >= 1, got {c['keep_checkpoints']} and {c['max_bad_steps']}")
     if c.get('wandb_log') and importlib.util.find_spec('wandb') is None:  # every rank stops, not rank 0 alone

@@ -17,7 +17,7 @@ import sys
 from atomic import atomic_write
 from errors import UserError
 
-KINDS = ('train', 'val', 'hella')
+KINDS = ('train', 'val', 'hella', 'epoch')  # epoch: '{step} epoch {n}' where epoch n begins
 IGNORED = ('skip', 'overflow')  # the trainer's rare event lines: not curves
 REFERENCE = {'val': [(3.2924, 'GPT-2 124M (OpenAI) val loss')],
              'hella': [(0.2945, 'GPT-2 124M (OpenAI)'), (0.337, 'GPT-3 124M (paper)')]}
@@ -77,6 +77,8 @@ def plot(runs, out):
             ax_loss.plot(*c['val'], color=color, linestyle='--', marker='.', label=f"{label} val")
         if c['hella'][0]:
             ax_hella.plot(*c['hella'], color=color, marker='.', label=label)
+        for j, step in enumerate(c['epoch'][0]):  # where the train data starts again, in a new order
+            ax_loss.axvline(step, color=color, linestyle='-.', linewidth=0.8, label=f"{label} new epoch" if j == 0 else None)
     for ax, kind in ((ax_loss, 'val'), (ax_hella, 'hella')):
         for (y, text), color in zip(REFERENCE[kind], ('red', 'green')):
             ax.axhline(y, color=color, linestyle=':', linewidth=1, label=f"{text}: {y}")

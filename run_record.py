@@ -1,8 +1,9 @@
 """
-What a run leaves for the people who read it later, beside log.txt: log_dir/run.json, one entry
-per start or resume (the effective config, the code's git commit and whether the tree was
-modified, the versions of Python, torch, CUDA and NCCL, the devices, hosts and world size, the
-start time and step), and optional Weights & Biases logging (wandb_log = True), on rank 0.
+What a run leaves for the people who read it later, on rank 0: log_dir/log.txt and samples.txt
+(log, samples); log_dir/run.json, one entry per start or resume (the effective config, the code's
+git commit and whether the tree was modified, the versions of Python, torch, CUDA and NCCL, the
+devices, hosts and world size, the start time and step); optional Weights & Biases logging
+(wandb_log = True).
 """
 import datetime
 import json
@@ -102,3 +103,19 @@ def wandb_log(step, kind, value):
     """The numbers of log.txt, as they are written there (train, val, hella, skip, overflow)."""
     if _wandb_run is not None:
         _wandb_run.log({kind: value}, step=step)
+
+
+def log(log_dir, line):
+    """Rank 0: one line of log_dir/log.txt ("{step} train|val|hella|skip|overflow|epoch {value}"), and to W&B."""
+    with open(os.path.join(log_dir, 'log.txt'), 'a') as f:
+        f.write(line + '\n')
+    step, kind, value = line.split()
+    wandb_log(int(step), kind, float(value))
+
+
+def samples(log_dir, lines):
+    """Rank 0: the trainer's samples, printed and appended to log_dir/samples.txt."""
+    if lines:
+        print("\n".join(lines))
+        with open(os.path.join(log_dir, 'samples.txt'), 'a') as f:
+            f.write("".join(line + "\n" for line in lines))

@@ -1,7 +1,8 @@
 """
 The token shards that fineweb.py writes (build-nanogpt's format: a 1-D uint16 .npy array of GPT-2
 token ids per file, *_train_*.npy and *_val_*.npy in one folder): finding them, opening them
-memory-mapped and checked, and the val tokens. DataLoaderLite (train_gpt2.py) reads the train split.
+memory-mapped and checked, the val tokens, and a shard's documents in a shuffled order.
+DataLoaderLite (train_gpt2.py) reads the train split.
 """
 import glob
 import json
@@ -10,6 +11,7 @@ import os
 import numpy as np
 
 from errors import UserError
+from tokenizer import EOT
 
 
 def find_shards(data_root, split):
@@ -65,3 +67,40 @@ def load_val_tokens(data_root, n_tokens, vocab_size=None):
             return np.concatenate(parts)
     raise UserError(f"the val split in {data_root!r} has {n_tokens + 1 - need} tokens, fewer than "
                     f"val_tokens + 1 = {n_tokens + 1}: lower val_tokens")
+
+
+def document_starts(tokens, block=1 << 24):
+    """Where a shard's documents start: token 0 (a shard may begin mid-document), then every
+    <|endoftext|> (fineweb.py writes a document as EOT, then its tokens). Scanned a block at a
+    time: the memory is the answer's, not a mask of the whole shard."""
+    found = [np.zeros(1, dtype=np.int64)]
+    for i in range(0, len(tokens), block):
+        found.append(np.flatnonzero(tokens[i:i + block] == EOT) + i)
+    return np.unique(np.concatenate(found))  # token 0 may be an EOT itself
+
+
+class ShuffledDocuments:
+    """A shard's tokens with its documents in the order rng draws, each whole and in its own token
+    order: slices of it are gathered from the memory map (no copy of the shard). Holds three
+    numbers per document (where it starts in the file, and in this order)."""
+
+    def __init__(self, tokens, rng):
+        starts = document_starts(tokens)
+        order = rng.permutation(len(starts))
+        lengths = np.diff(starts, append=len(tokens))[order]
+        self.tokens, self.starts = tokens, starts[order]
+        self.offsets = np.concatenate(([0], np.cumsum(lengths)))  # where each one starts in this order
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, where):  # a slice [a:b] of the shuffled stream
+        a, b = where.start, min(where.stop, len(self.tokens))
+        i = int(np.searchsorted(self.offsets, a, side='right')) - 1  # the document holding token a
+        parts = []
+        while a < b:
+            take = min(b, self.offsets[i + 1]) - a
+            start = self.starts[i] + a - self.offsets[i]
+            parts.append(self.tokens[start:start + take])
+            a, i = a + take, i + 1
+        return np.concatenate(parts) if parts else self.tokens[:0]

@@ -8,10 +8,9 @@ Train GPT-2 on FineWeb-Edu token shards, on one CPU/GPU or many GPUs.
 One run, top to bottom: the constants (edit them here, or override them with config files and
 --key=value arguments: configurator.py); DDP setup from torchrun's environment; the data; the
 evaluations; one training step with gradient accumulation; the loop that evaluates, samples,
-checkpoints and stops. The run's functions (main, run, build_model, train, evals_and_samples)
-read the constants; what other files import (setup_device, DataLoaderLite, evaluate, get_lr,
-train_step) takes what it needs as arguments. Other collectives: parallel.py; checkpoints, resuming and
-SIGTERM (checkpoint, exit 75): checkpoint.py; the DDP parts explained: docs/ddp.md.
+checkpoints and stops. The run's functions read the constants; what other files import takes
+what it needs as arguments. Other collectives: parallel.py; checkpoints, resuming and SIGTERM
+(exit 75): checkpoint.py; log.txt, samples.txt, run.json: run_record.py; the DDP parts: docs/ddp.md.
 """
 import math
 import os
@@ -33,12 +32,13 @@ from model import GPT, GPTConfig, flops_per_token
 from parallel import (agree, clip_grad_norm, end_process_group, require_backward_grad_sync, restart_store,
                       shard_fsdp, state_mib, whole_models, wrap_ddp)
 from sample import training_samples
-from shards import find_shards, load_val_tokens, open_shard
+from shards import ShuffledDocuments, find_shards, load_val_tokens, open_shard
 
 # -----------------------------------------------------------------------------
 # config: the defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu (build-nanogpt's run)
 # I/O
 data_root = "edu_fineweb10B"  # folder of *_train_*.npy / *_val_*.npy uint16 shards (fineweb.py)
+shuffle = True  # train shards and their documents in a fresh order each epoch, from seed; False: in order
 log_dir = "log"  # log.txt, samples.txt and checkpoints go here
 init_from = "scratch"  # "scratch", an OpenAI name (gpt2, gpt2-medium, ...) or a HF model directory
 # model (ignored when init_from is not "scratch": the weights bring their own shape)
@@ -55,7 +55,7 @@ T = 1024  # sequence length
 max_lr = 6e-4
 min_lr = 6e-5
 warmup_steps = 715  # 375M tokens, as GPT-3
-max_steps = 19073  # 10B tokens / 2**19 tokens per step = one epoch of sample-10BT
+max_steps = 19073  # 10B tokens / 2**19 per step: a little over one epoch of sample-10BT (see the start)
 weight_decay = 0.1
 grad_clip = 1.0  # clip the global gradient norm to this; 0 disables
 # evaluation, samples, checkpoints (every N steps and at the last step; 0 turns it off)
@@ -115,49 +115,64 @@ def setup_device(device, cpu_reuse_memory=False):
 # data: the uint16 token shards of fineweb.py (and build-nanogpt's), memory-mapped
 
 class DataLoaderLite:
-    """Batches of B sequences of T tokens from the sorted shards of one split. A step reads one run
-    of B*T*num_processes*accum_steps (+1) tokens; micro-step m of rank r takes its chunk
-    m * num_processes + r. The position (shard, pos) is global and moves by whole steps: the ranks
-    change shards together, and the tokens do not depend on the number of processes."""
+    """Batches of B sequences of T tokens from the shards of one split. A step reads one run of
+    B*T*num_processes*accum_steps (+1) tokens of a shard; micro-step m of rank r takes its chunk
+    m * num_processes + r. The position (epoch, shard, pos) is global and moves by whole steps, so
+    the tokens do not depend on the number of processes. shuffle: each epoch orders the shards and
+    their documents anew from (seed, epoch) alone; else files and tokens in order (docs/data.md)."""
 
-    def __init__(self, B, T, process_rank, num_processes, split, data_root, accum_steps=1, vocab_size=None):
-        self.B, self.T, self.vocab_size = B, T, vocab_size
+    def __init__(self, B, T, process_rank, num_processes, split, data_root, accum_steps=1, vocab_size=None,
+                 shuffle=False, seed=1337):
+        self.B, self.T, self.vocab_size, self.shuffle, self.seed = B, T, vocab_size, shuffle, seed
         self.rank, self.world, self.accum = process_rank, num_processes, accum_steps
         self.step_tokens = B * T * num_processes * accum_steps
         self.shards = find_shards(data_root, split)
-        for path in self.shards:  # fail now, not hours into the run
-            n = len(open_shard(path))
+        lengths = [len(open_shard(path)) for path in self.shards]
+        for path, n in zip(self.shards, lengths):  # fail now, not hours into the run
             if n < self.step_tokens + 1:
                 raise UserError(f"{path}: {n} tokens, shorter than one batch of B*T*world_size*grad_accum_steps + 1 "
                                 f"= {B}*{T}*{num_processes}*{accum_steps} + 1 = {self.step_tokens + 1} tokens")
-        self.shard, self.pos, self.micro = 0, 0, 0
-        self.tokens = open_shard(self.shards[0], vocab_size)
+        self.n_tokens, self.steps_per_epoch = sum(lengths), sum((n - 1) // self.step_tokens for n in lengths)
+        self.open(0, 0, 0)
+
+    def open(self, epoch, shard, pos):
+        """Shard number `shard` in epoch's order of the shards, from token pos of its stream."""
+        rng = lambda *key: np.random.default_rng([self.seed, epoch, *key])  # (seed, epoch) alone: any world size
+        self.order = rng().permutation(len(self.shards)) if self.shuffle else np.arange(len(self.shards))
+        self.epoch, self.shard, self.pos, self.micro = epoch, shard, pos, 0
+        self.tokens = open_shard(self.shards[self.order[shard]], self.vocab_size)
+        if self.shuffle:  # its documents in an order of their own
+            self.tokens = ShuffledDocuments(self.tokens, rng(self.order[shard]))
 
     def state(self):
         """The global position, at a step boundary: the same on every rank, for any world size."""
-        return {'shard': self.shard, 'pos': self.pos, 'file': os.path.basename(self.shards[self.shard])}
+        return {'epoch': self.epoch, 'shard': self.shard, 'pos': self.pos, 'shuffle': self.shuffle,
+                'seed': self.seed, 'file': os.path.basename(self.shards[self.order[self.shard]])}
 
     def load_state(self, state, source):
-        name = os.path.basename(self.shards[state['shard']]) if state['shard'] < len(self.shards) else None
-        if name != state['file']:
+        if 'epoch' not in state:  # written before shuffling: files and tokens in order
+            if self.shuffle and self.rank == 0:
+                print(f"{source} was written before the data was shuffled: it resumes in file order (shuffle=False)")
+            self.shuffle, state = False, dict(state, epoch=0, shuffle=False, seed=self.seed)
+        if state['shuffle'] != self.shuffle or (self.shuffle and state['seed'] != self.seed):
+            raise UserError(f"{source} was written with shuffle={state['shuffle']} seed={state['seed']}: resume with "
+                            f"--shuffle={state['shuffle']} --seed={state['seed']}, or point log_dir elsewhere")
+        self.open(state['epoch'], min(state['shard'], len(self.shards) - 1), state['pos'])
+        if state['shard'] >= len(self.shards) or self.state()['file'] != state['file']:
             raise UserError(f"{source} was reading train shard {state['file']!r} (number {state['shard']}), but "
-                            f"that shard of data_root is {name!r}: resume with the same data_root")
-        self.shard, self.pos, self.micro = state['shard'], state['pos'], 0
-        self.tokens = open_shard(self.shards[self.shard], self.vocab_size)
+                            f"that shard of data_root is {self.state()['file']!r}: resume with the same data_root")
         self.next_shard_if_short()  # total_batch_size may have grown
 
     def next_shard_if_short(self):
-        if self.pos + self.step_tokens + 1 > len(self.tokens):  # no whole step left in this shard
-            self.shard = (self.shard + 1) % len(self.shards)
-            self.tokens = open_shard(self.shards[self.shard], self.vocab_size)
-            self.pos = 0
+        if self.pos + self.step_tokens + 1 > len(self.tokens):  # no whole step left: the next shard, or epoch
+            last = self.shard + 1 == len(self.shards)
+            self.open(self.epoch + last, 0 if last else self.shard + 1, 0)
 
     def next_batch(self):
         B, T = self.B, self.T
         start = self.pos + (self.micro * self.world + self.rank) * B * T
         buf = torch.from_numpy(self.tokens[start:start + B * T + 1].astype(np.int64))  # only this chunk
-        x = buf[:-1].view(B, T)  # inputs
-        y = buf[1:].view(B, T)  # targets
+        x, y = buf[:-1].view(B, T), buf[1:].view(B, T)  # inputs, targets
         self.micro += 1
         if self.micro == self.accum:  # this step's run is read: every rank advances alike
             self.micro = 0
@@ -180,8 +195,7 @@ def evaluate(model, tokens, B, T, device, dtype):
     loss_sum = torch.zeros((), device=device)
     for i in range(0, len(mine), B):
         rows = np.stack([tokens[j * T:j * T + T + 1] for j in mine[i:i + B]]).astype(np.int64)  # (b, T+1)
-        x = torch.from_numpy(rows[:, :-1]).to(device)
-        y = torch.from_numpy(rows[:, 1:]).to(device)
+        x, y = torch.from_numpy(rows[:, :-1]).to(device), torch.from_numpy(rows[:, 1:]).to(device)
         with autocast(device, dtype):
             _, loss = model(x, y)
         loss_sum += loss.float() * y.numel()
@@ -199,7 +213,7 @@ def evals_and_samples(state, val_data, hella_data, do_eval, do_sample):
     step, val_loss = state.step, evaluate(model, val_data, B, T, device, dtype) if do_eval else None
     if do_eval and rank == 0:
         print(f"step {step:5d} | val loss {val_loss:.4f}")
-        log(f"{step} val {val_loss:.4f}")
+        run_record.log(log_dir, f"{step} val {val_loss:.4f}")
     if do_eval and hella_data is not None:  # the plain module: works the same with compile and DDP
         counts = torch.tensor(evaluate_hellaswag(raw_model, hella_data, device, dtype, rank, world), device=device)
         if world > 1:
@@ -207,21 +221,10 @@ def evals_and_samples(state, val_data, hella_data, do_eval, do_sample):
         n, correct, correct_norm = counts.tolist()
         if rank == 0:
             print(f"step {step:5d} | hellaswag acc_norm {correct_norm}/{n} = {correct_norm / n:.4f} (acc {correct / n:.4f})")
-            log(f"{step} hella {correct_norm / n:.4f}")
+            run_record.log(log_dir, f"{step} hella {correct_norm / n:.4f}")
     lines = training_samples(raw_model, step, sample_prompt, sample_length, dtype) if do_sample and rank == 0 else []
-    if lines:  # seeded by the step: a resumed run writes the same samples
-        print("\n".join(lines))
-        with open(os.path.join(log_dir, 'samples.txt'), 'a') as f:
-            f.write("".join(line + "\n" for line in lines))
+    run_record.samples(log_dir, lines)  # seeded by the step: a resumed run writes the same samples
     return val_loss
-
-
-def log(line):
-    """Rank 0: one line of log_dir/log.txt ("{step} train|val|hella|skip|overflow {value}"), and to W&B."""
-    with open(os.path.join(log_dir, 'log.txt'), 'a') as f:
-        f.write(line + '\n')
-    step, kind, value = line.split()
-    run_record.wandb_log(int(step), kind, float(value))
 
 
 # -----------------------------------------------------------------------------
@@ -310,8 +313,6 @@ def run():
         raise UserError(f"total_batch_size={total_batch_size} is not a multiple of B*T*world_size = {B}*{T}*{world} "
                         f"= {tokens_per_micro}; try {f'{lo} or {lo + tokens_per_micro}' if lo else tokens_per_micro}, or change B")
     grad_accum_steps = total_batch_size // tokens_per_micro
-    if eval_interval > 0 and val_tokens < T:
-        raise UserError(f"val_tokens={val_tokens} is less than one sequence of T={T} tokens")
     if master:
         print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
         print(f"world_size={world} device={device} grad_accum_steps={grad_accum_steps}")
@@ -321,7 +322,8 @@ def run():
     # resume="auto": the newest checkpoint of log_dir that loads (the same command resumes a stopped run)
     ckpt_path, ckpt = checkpoint.find_checkpoint(log_dir, resume, device)
     raw_model = build_model(ckpt, ckpt_path)
-    loader = DataLoaderLite(B, T, rank, world, 'train', data_root, grad_accum_steps, raw_model.config.vocab_size)
+    loader = DataLoaderLite(B, T, rank, world, 'train', data_root, grad_accum_steps, raw_model.config.vocab_size,
+                            shuffle, seed)
     val_data = load_val_tokens(data_root, val_tokens // T * T, raw_model.config.vocab_size) if eval_interval > 0 else None
     raw_model.to(device)  # not wrapped: state_dict without prefixes; sharded in place under FSDP
     if parallel == 'fsdp' and dist.is_initialized():  # torchrun; one process is one shard (gpu_check.py)
@@ -342,6 +344,8 @@ def run():
             return 0
     if master:
         print(f"parameters: {sum(p.numel() for p in raw_model.parameters()):,}")
+        print(f"train data: {loader.n_tokens:,} tokens, {loader.steps_per_epoch:,} steps per epoch at {total_batch_size:,} "
+              f"tokens per step; max_steps={max_steps} is {max_steps / loader.steps_per_epoch:.2f} epochs")
     model = torch.compile(raw_model) if compile else raw_model
     if world > 1 and parallel == 'ddp':  # gradients all-reduced during backward; rank 0's weights everywhere
         model = wrap_ddp(model, device)
@@ -378,12 +382,9 @@ def train(state, val_data, hella_data, grad_accum_steps):
     sampled and checkpointed when due, then (unless it is the last step) updated: step -> step + 1."""
     master, start = rank == 0, state.step
 
-    def save(val_loss):  # rank 0 writes the state as it is; every rank learns whether it worked
-        checkpoint.save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints)
-
     def preempted(val_loss, saved):  # SIGTERM: the state after state.step updates, then exit 75
-        if not saved:
-            save(val_loss)
+        if not saved:  # rank 0 writes the state as it is; every rank learns whether it worked
+            checkpoint.save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints)
         if master:
             print(f"SIGTERM: stopped at step {state.step}; wrote {os.path.join(log_dir, f'model_{state.step:05d}.pt')}; "
                   f"run the same command again to resume (exit code {checkpoint.EXIT_PREEMPTED})")
@@ -405,12 +406,15 @@ def train(state, val_data, hella_data, grad_accum_steps):
             val_loss = evals_and_samples(state, val_data, hella_data, do_eval, do_sample) if do_eval or do_sample else None
             state.evaluated = True
             if do_checkpoint:
-                save(val_loss)
+                checkpoint.save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints)
             if not last_step and agree(checkpoint.stop_requested):  # SIGTERM during the evals
                 return preempted(val_loss, saved=do_checkpoint)
         if last_step:
             return 0
 
+        if master and state.loader.epoch > 0 and state.loader.shard == state.loader.pos == 0:  # a new epoch starts
+            print(f"step {step:5d} | epoch {state.loader.epoch} begins: the train data again, in a new order")
+            run_record.log(log_dir, f"{step} epoch {state.loader.epoch}")
         t0 = time.time()
         lr = get_lr(step, max_lr, min_lr, warmup_steps, max_steps)
         loss, norm, ok, overflow = train_step(state, grad_accum_steps, lr, grad_clip, device, dtype)
@@ -428,13 +432,13 @@ def train(state, val_data, hella_data, grad_accum_steps):
                   f"eta {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s" +
                   ("" if ok else f" | float16 overflow: update skipped, loss scale now {state.scaler.get_scale():g}"
                    if overflow else f" | non-finite: update skipped ({state.bad_steps} in a row, max_bad_steps={max_bad_steps})"))
-            log(f"{step} train {loss:.6f}")
+            run_record.log(log_dir, f"{step} train {loss:.6f}")
             if overflow:
-                log(f"{step} overflow {state.scaler.get_scale():g}")
+                run_record.log(log_dir, f"{step} overflow {state.scaler.get_scale():g}")
             elif not ok:
-                log(f"{step} skip {state.bad_steps}")
+                run_record.log(log_dir, f"{step} skip {state.bad_steps}")
         if state.bad_steps >= max_bad_steps:  # stop with a checkpoint: the weights are the last good update's
-            save(None)
+            checkpoint.save_checkpoint(state, None, config, log_dir, keep_checkpoints)
             raise UserError(f"stopped after {state.bad_steps} steps in a row with a non-finite loss or gradient norm "
                             f"(max_bad_steps={max_bad_steps}); {os.path.join(log_dir, f'model_{step + 1:05d}.pt')} "
                             f"holds the last good weights, with the data position after the skipped batches; "

@@ -108,7 +108,8 @@ def test_loader_state_resumes_any_world_size(tmp_path):
         for loader in two:
             loader.next_batch()
         one.next_batch(), one.next_batch()
-    assert two[0].state() == two[1].state() == one.state() == {"shard": 1, "pos": 16, "file": "edufineweb_train_000001.npy"}
+    assert two[0].state() == two[1].state() == one.state() == {"epoch": 0, "shard": 1, "pos": 16, "shuffle": False,
+                                                               "seed": 1337, "file": "edufineweb_train_000001.npy"}
     resumed = DataLoaderLite(B, T, 0, 1, "train", str(tmp_path), accum_steps=2)
     resumed.load_state(two[0].state(), "model_00006.pt")
     for _ in range(2 * 9):  # and around the wrap
