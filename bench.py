@@ -21,7 +21,8 @@ tokens and of a tenth of it (documents of ~1,000 tokens), in order and shuffled:
 memory (RssAnon, not the page cache) that DataLoaderLite adds while reading the whole shard, the
 time to open it (shuffled: to find its documents and draw their order) and its time per
 optimizer step at total_batch_size; and loading the shard whole as int64 tokens (build-nanogpt's
-loader), in the same run.
+loader), in the same run. The step bench prints the loader's time per step too, in order and
+shuffled, beside the step time (its steps run on tokens in memory).
 """
 import json
 import os
@@ -63,34 +64,42 @@ def rss_anon_mib():
         return next(int(line.split()[1]) for line in f if line.startswith('RssAnon:')) / 1024
 
 
-def bench_loader(c):
-    B, T, n_max = c['B'], c['T'], c['bench_loader_tokens']
+def synthetic_shard(folder, n):
+    """folder/bench_train_000000.npy: n random GPT-2 token ids in documents of ~1,000 tokens, as FineWeb-Edu's."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, N_VOCAB, n, dtype=np.uint16)
+    tokens[rng.integers(0, n, n // 1000)] = EOT
+    path = os.path.join(folder, 'bench_train_000000.npy')
+    np.save(path, tokens)
+    return path
+
+
+def time_loader(c, folder, shuffle):
+    """(seconds to open the shard, seconds per optimizer step over the whole shard, MiB of anonymous
+    memory added) of DataLoaderLite at c's B, T and total_batch_size, one process."""
+    B, T = c['B'], c['T']
     accum = max(1, c['total_batch_size'] // (B * T))
+    base = rss_anon_mib()
+    t0 = time.perf_counter()
+    loader = train_gpt2.DataLoaderLite(B, T, 0, 1, 'train', folder, accum, shuffle=shuffle, seed=c['seed'])
+    opened = time.perf_counter() - t0  # the shard's length; shuffled: its documents and their order
+    t0 = time.perf_counter()
+    for _ in range(loader.steps_per_epoch * accum):  # the whole shard
+        loader.next_batch()
+    return opened, (time.perf_counter() - t0) / loader.steps_per_epoch, rss_anon_mib() - base
+
+
+def bench_loader(c):
+    n_max, step = c['bench_loader_tokens'], max(c['total_batch_size'], c['B'] * c['T'])
     with tempfile.TemporaryDirectory() as tmp:
         for n in (n_max // 10, n_max):
             folder = os.path.join(tmp, str(n))
             os.makedirs(folder)
-            path = os.path.join(folder, 'bench_train_000000.npy')
-            rng = np.random.default_rng(0)
-            tokens = rng.integers(0, N_VOCAB, n, dtype=np.uint16)
-            tokens[rng.integers(0, n, n // 1000)] = EOT  # documents of ~1,000 tokens, as FineWeb-Edu's
-            np.save(path, tokens)
-            del tokens
+            path = synthetic_shard(folder, n)
             for shuffle in (False, True):
-                base = rss_anon_mib()
-                t0 = time.perf_counter()
-                loader = train_gpt2.DataLoaderLite(B, T, 0, 1, 'train', folder, accum, shuffle=shuffle, seed=c['seed'])
-                build = time.perf_counter() - t0  # the shard's length; shuffled: its documents and their order
-                t0 = time.perf_counter()
-                for _ in range(loader.steps_per_epoch * accum):  # the whole shard
-                    loader.next_batch()
-                steps = loader.steps_per_epoch
-                dt = (time.perf_counter() - t0) / steps
-                ours = rss_anon_mib() - base
-                del loader
-                print(f"shard of {n:,} tokens, shuffle={shuffle}: DataLoaderLite +{ours:,.1f} MiB anonymous memory, "
-                      f"ready in {build:.2f} s, {dt * 1e3:.1f} ms per step of {B * T * accum:,} tokens "
-                      f"({steps:,} steps)")
+                opened, dt, anon = time_loader(c, folder, shuffle)
+                print(f"shard of {n:,} tokens, shuffle={shuffle}: DataLoaderLite +{anon:,.1f} MiB anonymous memory, "
+                      f"ready in {opened:.2f} s, {dt * 1e3:.1f} ms per step of {step:,} tokens ({(n - 1) // step:,} steps)")
             base = rss_anon_mib()
             tokens = torch.tensor(np.load(path).astype(np.int64))  # the whole shard in memory
             whole = rss_anon_mib() - base
@@ -238,6 +247,11 @@ def bench_step(c, argv, device):
     if device == 'cpu':
         print(f"cpu: {cpu}, bf16 units: {cpu_has_bf16()}, kernels: {torch.backends.cpu.get_cpu_capability()}")
     print(f"step time: {ours['dt'] * 1000:.1f} ms (mean of {c['bench_steps']} after {c['bench_warmup']} warmup)")
+    with tempfile.TemporaryDirectory() as tmp:  # the data loader's share, on 20 steps of synthetic documents
+        synthetic_shard(tmp, 20 * max(c['total_batch_size'], c['B'] * c['T']) + 1)
+        loader_ms = [time_loader(c, tmp, shuffle)[1] * 1e3 for shuffle in (False, True)]
+    print(f"data loader: {loader_ms[0]:.2f} ms per step in order, {loader_ms[1]:.2f} ms shuffled (the step above "
+          f"runs on tokens in memory)")
     print(f"tok/s: {tok_per_s:,.0f}")
     print(f"model FLOPs/token: {fpt / 1e6:.1f} MFLOP")
     print(f"achieved: {tok_per_s * fpt / 1e12:.3f} TFLOP/s")
