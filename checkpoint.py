@@ -302,14 +302,17 @@ def resumed_model_config(ckpt, path, config):
 
 def restore(state, ckpt, path, max_bad_steps):
     """Load a checkpoint into state (a TrainState): weights, optimizer, loss scale, data
-    position, RNG states, step, evaluated and bad_steps. The optimizer keeps the config's weight_decay."""
+    position, RNG states, step, evaluated and bad_steps. The optimizer keeps the config's weight_decay
+    and this device's fused/foreach."""
     optimizer = state.optimizer
     if ckpt.get('scaler'):  # a float16 run's loss scale (empty in other precisions)
         state.scaler.load_state_dict(ckpt['scaler'])
-    decay = [group['weight_decay'] for group in optimizer.param_groups]
+    # load_state_dict replaces the param groups whole: keep the config's weight_decay, and this
+    # device's kernel choices (fused, foreach: a CPU checkpoint resumed on a GPU, or the reverse)
+    kept = [{k: g[k] for k in ('weight_decay', 'fused', 'foreach') if k in g} for g in optimizer.param_groups]
     parallel.load_full_state(state.raw_model, optimizer, ckpt['model'], ckpt['optimizer'])  # FSDP: each rank its shards
-    for group, wd in zip(optimizer.param_groups, decay):
-        group['weight_decay'] = wd  # the config's, should it have changed
+    for group, keep in zip(optimizer.param_groups, kept):
+        group.update(keep)
     for st in optimizer.state.values():  # on CPU these would alias the checkpoint's memory map
         st.update({k: v.clone() for k, v in st.items() if torch.is_tensor(v) and v.device.type == 'cpu'})
     state.loader.load_state(ckpt['loader'], path)

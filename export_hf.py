@@ -80,6 +80,7 @@ def export(checkpoint, out_dir):
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; an export is for others to read
         for name in os.listdir(tmp):  # on disk before the rename makes the folder visible
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)  # safetensors writes its file private (0600)
             with open(os.path.join(tmp, name), 'rb+') as f:
                 os.fsync(f.fileno())
         os.replace(tmp, out_dir)  # fails if out_dir was made meanwhile and is not empty

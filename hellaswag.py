@@ -258,6 +258,8 @@ def load_for_training(file, model):
         parallel.barrier()  # rank 0's download first
         if os.path.isfile(path):
             examples = [render_example(e) for e in iterate_examples(file=path)]  # bad data: UserError
+            if not examples:  # every rank reads the same file: all stop here, before step 0
+                raise UserError(f"{path}: no HellaSwag examples in it")
         else:
             why = why or f"{path} not found"
     found = parallel.agree(examples is not None, 'min')  # e.g. a node without the file: nobody evaluates

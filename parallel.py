@@ -112,8 +112,10 @@ def gather_objects(obj):
 
 
 def wrap_ddp(model, device):
-    """DDP: gradients all-reduced during backward (bucket by bucket); rank 0's weights everywhere at start."""
-    return DDP(model, device_ids=[torch.device(device).index] if device.startswith('cuda') else None)
+    """DDP: gradients all-reduced during backward (bucket by bucket); rank 0's weights everywhere at
+    start. The gradients are views into the buckets: no second copy of them, and no copy per step."""
+    return DDP(model, device_ids=[torch.device(device).index] if device.startswith('cuda') else None,
+               gradient_as_bucket_view=True)
 
 
 def without_ddp(model):
@@ -193,11 +195,13 @@ def full_state(model, optimizer):
         return (model.state_dict(), optimizer.state_dict()) if rank() == 0 else (None, None)
     gathered = {}
 
-    def keep(t):  # the tied wte/lm_head weight is gathered once, and saved once
-        if id(t) not in gathered:
+    def keep(t):  # the tied wte/lm_head weight is gathered once, and saved once (one storage, two keys)
+        local = t.to_local() if isinstance(t, DTensor) else t  # state_dict() gives a new DTensor per key
+        key = (local.data_ptr(), tuple(local.shape)) if local.numel() else id(t)
+        if key not in gathered:
             whole = full(t)
-            gathered[id(t)] = whole.cpu() if rank() == 0 else None
-        return gathered[id(t)]
+            gathered[key] = whole.cpu() if rank() == 0 else None
+        return gathered[key]
     model_state = {k: keep(v) for k, v in model.state_dict().items()}
     opt = optimizer.state_dict()  # indexed by position in the param groups, as without FSDP
     opt_state = {i: {k: keep(v) if torch.is_tensor(v) else v for k, v in s.items()} for i, s in opt['state'].items()}

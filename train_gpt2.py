@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -105,9 +106,9 @@ def setup_device(device, cpu_reuse_memory=False):
     if device == 'cpu' and cpu_reuse_memory:
         reuse_freed_memory()
     if ddp:  # NCCL between GPUs, gloo between CPU processes; the store: see parallel.restart_store
-        cuda = device.startswith('cuda')
-        dist.init_process_group(backend='nccl' if cuda else 'gloo', store=restart_store(), rank=rank,
-                                world_size=world, device_id=torch.device(device) if cuda else None)
+        cuda = device.startswith('cuda')  # timeout: the others wait while rank 0 alone writes a checkpoint
+        dist.init_process_group(backend='nccl' if cuda else 'gloo', store=restart_store(), rank=rank, world_size=world,
+                                device_id=torch.device(device) if cuda else None, timeout=timedelta(minutes=60))
     return rank, world, device
 
 
@@ -263,14 +264,14 @@ def train_step(state, grad_accum_steps, lr, grad_clip, device, dtype):
     scaler.unscale_(optimizer)  # float16: the gradients back to their true size, before clipping
     norm = clip_grad_norm(model, grad_clip)  # the global norm, the same on every rank
     finite_loss, finite_norm = torch.stack((torch.isfinite(loss_accum), torch.isfinite(norm))).tolist()  # one wait
-    ok = finite_loss and finite_norm
-    # an overflow at a scale <= 1 is no loss-scaling matter: it counts as a bad step
-    overflow = scaler.is_enabled() and finite_loss and not ok and scaler.get_scale() > 1
+    ok, scale = finite_loss and finite_norm, scaler.get_scale()
     if ok:
         for group in optimizer.param_groups:
             group['lr'] = lr
         optimizer.step()
-    scaler.update()  # float16: halve the scale after an overflow, double it after 2000 clean steps
+    scaler.update()  # float16: halve the scale after an inf/nan gradient, double it after 2000 clean steps
+    # an overflow: the scaler saw one and lowered its scale; at a scale <= 1 it is a bad step all the same
+    overflow = not ok and scaler.get_scale() < scale and scale > 1
     return loss_accum, norm, ok, overflow
 
 
@@ -291,11 +292,11 @@ def main(argv=None):
         config = choose_precision(config, device)  # the same dtype on every rank
         dtype, compile = config['dtype'], config['compile']
         code = run()
-        run_record.wandb_finish()
     except UserError as e:
         sys.exit(f"error: {e}" if master else 1)  # one line on stderr, exit code 1
     finally:
         end_process_group(finished=code is not None)
+    run_record.wandb_finish()  # rank 0's upload, after the final barrier: no rank waits on it
     if code:
         sys.exit(code)
 

@@ -26,8 +26,13 @@ head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 gpus=${SLURM_GPUS_ON_NODE:-8}
 export OMP_NUM_THREADS=$(( ${SLURM_CPUS_PER_TASK:-8} / gpus > 0 ? ${SLURM_CPUS_PER_TASK:-8} / gpus : 1 ))
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # a new rendezvous store per restart (docs/resume.md)
+# torchrun passes SIGTERM on to its workers, then kills them after this many seconds (30 by default):
+# within --signal's 300 s lead, time for a 1558M checkpoint (~19 GB gathered, summed, written)
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=270
+export PYTHONUNBUFFERED=1  # rank 0's last lines (the SIGTERM line that requeues) reach the output file
 
-srun --kill-on-bad-exit=0 python -m torch.distributed.run \
+# srun no longer passes --cpus-per-task on to its tasks (Slurm 22.05): without it the 8 workers can share one core
+srun --kill-on-bad-exit=0 --cpus-per-task="${SLURM_CPUS_PER_TASK:-8}" python -m torch.distributed.run \
     --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$gpus" --max-restarts=3 \
     --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$head_node:29500" \
     train_gpt2.py "$@"

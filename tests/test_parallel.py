@@ -42,7 +42,7 @@ def run_two(data, tmp_path_factory, parallel):
     log_dir = tmp_path_factory.mktemp(parallel)
     r = run_script(args(data, log_dir, f"--parallel={parallel}"), nproc=2)
     assert r.returncode == 0, r.stdout + r.stderr
-    return log_dir, r.stdout
+    return log_dir, r.stdout + r.stderr  # errors and tracebacks go to stderr: the checks below read both
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +171,76 @@ def test_fsdp_evals_hellaswag_and_samples_as_ddp(tmp_path):
     assert all(abs(a["val"][s] - b["val"][s]) <= 1e-5 for s in a["val"])
     samples = (tmp_path / "fsdp" / "samples.txt").read_text()
     assert samples.count("sample 0:") == 2 and samples == (tmp_path / "ddp" / "samples.txt").read_text()
+
+
+def test_ddp_gradients_are_views_of_its_buckets(tmp_path):
+    """Issue 21.15: DDP's gradients live in its all-reduce buckets (gradient_as_bucket_view): no second
+    copy of every gradient (4 bytes per parameter) and no copy per step. After a backward, every
+    gradient's memory lies inside one of the buckets' tensors."""
+    import torch.distributed as dist
+    import parallel
+    from model import GPT, GPTConfig
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ddp = parallel.wrap_ddp(GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16)), "cpu")
+        ddp(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+        assert ddp.gradient_as_bucket_view
+        grads = [p.grad for p in ddp.module.parameters()]
+        assert all(g is not None for g in grads)
+        assert len({g.untyped_storage().data_ptr() for g in grads}) < len(grads)  # shared bucket storage
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_tied_weight_is_gathered_and_saved_once(ddp2, fsdp2):
+    """Issue 21.14: wte and lm_head are one parameter; an FSDP checkpoint, like a DDP one, holds it
+    once (both keys on one storage), not two gathered copies of it."""
+    for log_dir, _ in (ddp2, fsdp2):
+        model = ckpt(log_dir)["model"]
+        wte, head = model["transformer.wte.weight"], model["lm_head.weight"]
+        assert torch.equal(wte, head) and wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr(), log_dir
+
+
+def test_process_group_outwaits_rank_0s_work_alone(monkeypatch):
+    """Issue 21.12: while rank 0 checksums and writes a checkpoint (~19 GB at 1558M), or reads
+    candidates at a resume, the others wait in a collective; NCCL's default 10 minutes (then
+    torchrun aborts) is too short, so the group gets an hour."""
+    from datetime import timedelta
+    import train_gpt2
+    seen = {}
+    monkeypatch.setattr(train_gpt2.dist, "init_process_group", lambda **kw: seen.update(kw))
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(k, v)
+    assert train_gpt2.setup_device("cpu") == (0, 2, "cpu")
+    assert seen["backend"] == "gloo" and seen["timeout"] >= timedelta(minutes=60)
+
+
+PROBE = """
+import gc, sys
+sys.path.insert(0, {root!r})
+import train_gpt2
+from model import GPT
+step = train_gpt2.train_step
+def probe(*a, **k):  # before every training step: how many GPT modules are alive in this process
+    print(f"live GPTs: {{sum(isinstance(o, GPT) for o in gc.get_objects())}}", flush=True)
+    return step(*a, **k)
+train_gpt2.train_step = probe
+train_gpt2.main(sys.argv[1:])
+"""
+
+
+def test_fsdp_eval_copy_is_gone_during_training(data, tmp_path):
+    """Issue 21.1: under FSDP the evals run on a gathered copy of the whole model (4 bytes per
+    parameter on every rank); between evals no copy may stay alive. Counted with the garbage
+    collector before every training step of both ranks, evals at steps 0, 4, 8, ...: one GPT (the
+    sharded one) each time."""
+    (tmp_path / "probe.py").write_text(PROBE.format(root=ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(tmp_path / "probe.py"), *args(data, tmp_path / "log", "--parallel=fsdp", "--max_steps=10",
+                                                          "--eval_interval=4", "--checkpoint_interval=0")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    counts = re.findall(r"live GPTs: (\d+)", r.stdout)
+    assert len(counts) == 2 * 10 and set(counts) == {"1"}, counts

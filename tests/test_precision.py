@@ -82,8 +82,8 @@ def tiny_step(init_scale, poison):
         def next_batch(self):
             t = torch.randint(0, 64, (2, 9))
             return t[:, :-1], t[:, 1:]
-    if poison:
-        m.lm_head.weight.register_hook(lambda g: g * float("inf"))
+    if poison:  # True: an inf gradient; a number: gradients that large
+        m.lm_head.weight.register_hook(lambda g: g * (float("inf") if poison is True else poison))
     before = [p.detach().clone() for p in m.parameters()]
     state = train_gpt2.TrainState(m, m, opt, scaler, Batches())
     _, norm, ok, overflow = train_gpt2.train_step(state, 1, 1e-3, 1.0, "cpu", "float16")
@@ -96,6 +96,13 @@ def test_overflow_is_loss_scaling_not_a_bad_step():
     assert tiny_step(2.0 ** 16, poison=True) == (False, True, False, 2.0 ** 15)  # skipped, scale halved
     # at a scale of 1 an overflow is no loss-scaling matter: a bad step
     assert tiny_step(1.0, poison=True) == (False, False, False, 0.5)
+
+
+def test_a_non_finite_norm_the_scaler_did_not_see_is_a_bad_step():
+    """Issue 21.5: finite gradients whose norm overflows (1e30 times their size) skip the update,
+    but the scaler found nothing and keeps its scale: a bad step, not a float16 overflow (which
+    would never count towards max_bad_steps)."""
+    assert tiny_step(2.0 ** 16, poison=1e30) == (False, False, False, 2.0 ** 16)
 
 
 @pytest.fixture(scope="module")

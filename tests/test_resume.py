@@ -452,3 +452,29 @@ def test_samples_are_trimmed_too(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "b" / "samples.txt").read_text() == samples
     assert (tmp_path / "b" / "log.txt").read_text() == (tmp_path / "a" / "log.txt").read_text()
+
+
+def test_resumed_optimizer_keeps_this_devices_settings():
+    """Issue 21.6: a checkpoint's param groups carry the saving device's AdamW settings (fused on a
+    GPU); restore keeps the fresh optimizer's (the device it resumes on) and the checkpoint's state."""
+    import checkpoint
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    opt = m.configure_optimizers(0.1, 1e-3, "cpu")
+    m(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+    opt.step()
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:
+        group.update(fused=True, foreach=None)  # as a CUDA run writes them
+
+    class Loader:
+        def load_state(self, state, source):
+            pass
+    state = checkpoint.TrainState(m, m, m.configure_optimizers(0.1, 1e-3, "cpu"), torch.amp.GradScaler("cpu", enabled=False),
+                                  Loader())
+    ckpt = {"model": m.state_dict(), "optimizer": saved, "loader": {}, "rng": checkpoint.rng_state("cpu"), "step": 1,
+            "evaluated": False, "bad_steps": 0}
+    checkpoint.restore(state, ckpt, "model_00001.pt", max_bad_steps=5)
+    assert [(g["fused"], g["foreach"]) for g in state.optimizer.param_groups] == [(False, None)] * 2
+    assert torch.equal(state.optimizer.state[next(m.parameters())]["exp_avg"], opt.state[next(m.parameters())]["exp_avg"])

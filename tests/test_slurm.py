@@ -1,6 +1,7 @@
 """scripts/slurm_train.sh cannot meet SLURM here: bash -n checks its syntax, and fake srun and
 scontrol commands on PATH run its logic (the launch line, and requeue after a preemption only)."""
 import os
+import re
 import subprocess
 
 import pytest
@@ -27,8 +28,8 @@ def test_requeue_only_after_a_preemption(tmp_path, previous, printed, code, requ
     out.write_text(previous)
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "srun").write_text(f'#!/bin/bash\necho "$@" > "{tmp_path}/srun_args"\nprintf %s "$FAKE_PRINT" >> "{out}"\n'
-                               f'exit $FAKE_CODE\n')
+    (fake / "srun").write_text(f'#!/bin/bash\necho "$@" > "{tmp_path}/srun_args"\nenv > "{tmp_path}/srun_env"\n'
+                               f'printf %s "$FAKE_PRINT" >> "{out}"\nexit $FAKE_CODE\n')
     (fake / "scontrol").write_text(f'#!/bin/bash\nif [ "$1" = show ]; then printf "node-a\\nnode-b\\n"; '
                                    f'else echo "$@" >> "{tmp_path}/scontrol"; fi\n')
     for f in fake.iterdir():
@@ -40,7 +41,12 @@ def test_requeue_only_after_a_preemption(tmp_path, previous, printed, code, requ
                        capture_output=True, text=True)
     assert r.returncode == exit_code, r.stdout + r.stderr
     launch = (tmp_path / "srun_args").read_text().split()
-    assert launch[:3] == ["--kill-on-bad-exit=0", "python", "-m"] and "--rdzv_backend=c10d" in launch
+    assert launch[:4] == ["--kill-on-bad-exit=0", "--cpus-per-task=64", "python", "-m"] and "--rdzv_backend=c10d" in launch
+    # issue 21.3 and 21.16: torchrun gives the workers most of SIGTERM's 300 s lead (not its default 30 s)
+    # to write the checkpoint, and their output is not held in a buffer when they exit
+    env_seen = dict(line.split("=", 1) for line in (tmp_path / "srun_env").read_text().splitlines() if "=" in line)
+    lead = int(re.search(r"--signal=TERM@(\d+)", open(SCRIPT).read()).group(1))
+    assert 200 <= int(env_seen["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < lead and env_seen["PYTHONUNBUFFERED"] == "1"
     assert {"--nnodes=2", "--nproc_per_node=8", "--rdzv_endpoint=node-a:29500", "--rdzv_id=77"} <= set(launch)
     assert launch[-3:] == ["train_gpt2.py", "config/gpt2_350M.py", "--parallel=fsdp"]
     assert (tmp_path / "scontrol").exists() == requeued

@@ -333,6 +333,16 @@ def test_export_loads_in_transformers_with_the_same_logits(exported):
         assert (hf(idx).logits - ours(idx)[0][..., :50257]).abs().max().item() < 1e-4
 
 
+def test_export_files_are_readable_as_the_umask_says(exported):
+    """Issue 21.10: every file of the export gets the mode a new file gets here (0o666 less the
+    umask: readable by others on a shared model folder); model.safetensors was 0600."""
+    _, out = exported
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {name: oct(os.stat(out / name).st_mode & 0o777) for name in os.listdir(out)}
+    assert modes == {name: oct(0o666 & ~umask) for name in modes}
+
+
 def test_export_tokenizer_is_tiktokens_gpt2(exported, enc):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(exported[1])

@@ -177,3 +177,15 @@ def test_evaluate_builds_no_graph():
     tokens = np.random.default_rng(0).integers(0, 512, 16 * 5 + 1).astype(np.uint16)
     loss = evaluate(model, tokens, 2, 16, "cpu", "float32")
     assert seen == [(False, False)] * 3 and 5 < loss < 7.5 and model.training
+
+
+def test_empty_hellaswag_file_is_one_line_before_training(tmp_path):
+    """Issue 21.4: an empty hellaswag_file stops the run before step 0 with one line naming it (it
+    was a ZeroDivisionError traceback at the first eval)."""
+    data = random_shards(tmp_path / "data", 0, 600, [2000])
+    (tmp_path / "empty.jsonl").write_text("\n")
+    r = run_script([*TINY, "--vocab_size=50304", f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--B=2",
+                    "--T=16", "--total_batch_size=32", "--max_steps=2", "--val_tokens=64",
+                    f"--hellaswag_file={tmp_path / 'empty.jsonl'}"])
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'empty.jsonl'}: no HellaSwag examples in it"
+    assert "| loss" not in r.stdout
