@@ -1,7 +1,7 @@
 """
 Fault tolerance for train_gpt2.py: what a checkpoint holds, writing it atomically, choosing and
 checking one to resume from, RNG state, trimming the log lines a crashed run wrote after its last
-checkpoint, preemption (SIGTERM). docs/resume.md tells the whole story (torchrun restarts included:
+checkpoint, preemption (SIGTERM, Ctrl-C). docs/resume.md tells the whole story (torchrun restarts included:
 their store is parallel.restart_store).
 
 A checkpoint, log_dir/model_{step:05d}.pt, is the state after `step` optimizer updates: build-
@@ -31,7 +31,7 @@ from model import GPT, GPTConfig
 CHECKPOINT_NAME = re.compile(r'model_(\d+)\.pt')
 RESUME_KEYS = ('model', 'optimizer', 'config', 'train_config', 'step', 'evaluated', 'loader', 'rng', 'bad_steps',
                'checksum')
-EXIT_PREEMPTED = 75  # SIGTERM: checkpoint written, run the same command again (EX_TEMPFAIL: "try again")
+EXIT_PREEMPTED = 75  # SIGTERM or Ctrl-C: checkpoint written, run the same command again (EX_TEMPFAIL: "try again")
 
 
 @dataclass
@@ -48,19 +48,23 @@ class TrainState:
 
 
 # -----------------------------------------------------------------------------
-# preemption: SIGTERM only sets a flag; the ranks agree on it at step boundaries (parallel.agree)
+# preemption: SIGTERM or Ctrl-C only sets a flag; the ranks agree on it at step boundaries (parallel.agree)
 
-stop_requested = False
+stop_requested = ''  # the signal that asked the run to stop: 'SIGTERM' or 'Ctrl-C' ('' for none)
 
 
-def on_sigterm(signum, frame):
+def on_stop_signal(signum, frame):
     global stop_requested
-    stop_requested = True  # finish the step in flight, then checkpoint and exit
+    stop_requested = stop_requested or ('Ctrl-C' if signum == signal.SIGINT else 'SIGTERM')  # finish the step, save
+    if signum == signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
 
 
-def listen_for_sigterm():
-    """From now on SIGTERM stops the run at the next step boundary, with a checkpoint."""
-    signal.signal(signal.SIGTERM, on_sigterm)
+def listen_for_stop_signals():
+    """From now on SIGTERM and the first Ctrl-C stop the run at the next step boundary, with a
+    checkpoint (exit 75); a second Ctrl-C raises KeyboardInterrupt at once, as Python does."""
+    signal.signal(signal.SIGTERM, on_stop_signal)
+    signal.signal(signal.SIGINT, on_stop_signal)
 
 
 # -----------------------------------------------------------------------------

@@ -5,8 +5,8 @@ checked (hardware.choose_precision then makes dtype and compile "auto" concrete)
     python train_gpt2.py config/gpt2_350M.py --max_steps=100 --dtype=float32
 
 A config file is Python that assigns some of the constants (it may read the others:
-max_steps = 2 * warmup_steps); --key=value takes a Python literal, or the text as typed for a
-string constant. Both are applied in the order given, and each value must keep its default's
+max_steps = 2 * warmup_steps), and it runs as code: use only files you trust. --key=value takes
+a Python literal, or the text as typed for a string constant. Both are applied in the order given, and each value must keep its default's
 type (an int is fine for a float; True/False for an "auto" default). An unknown key is an error
 that names the closest valid ones.
 """

@@ -83,7 +83,11 @@ def export(checkpoint, out_dir):
             os.chmod(os.path.join(tmp, name), 0o666 & ~umask)  # safetensors writes its file private (0600)
             with open(os.path.join(tmp, name), 'rb+') as f:
                 os.fsync(f.fileno())
-        os.replace(tmp, out_dir)  # fails if out_dir was made meanwhile and is not empty
+        try:
+            os.replace(tmp, out_dir)  # fails if out_dir was made meanwhile and is not empty
+        except OSError as e:
+            raise UserError(f"{out_dir}: another writer filled it while this export ran ({e.strerror}); it is "
+                            f"left as that writer made it: remove it or choose another folder") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

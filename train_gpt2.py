@@ -383,32 +383,32 @@ def train(state, val_data, hella_data, grad_accum_steps):
     sampled and checkpointed when due, then (unless it is the last step) updated: step -> step + 1."""
     master, start = rank == 0, state.step
 
-    def preempted(val_loss, saved):  # SIGTERM: the state after state.step updates, then exit 75
-        if not saved:  # rank 0 writes the state as it is; every rank learns whether it worked
+    def preempted(val_loss, saved):  # SIGTERM or Ctrl-C: the state after state.step updates, then exit 75
+        if not saved:  # rank 0 writes it; every rank learns whether it worked
             checkpoint.save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints)
         if master:
-            print(f"SIGTERM: stopped at step {state.step}; wrote {os.path.join(log_dir, f'model_{state.step:05d}.pt')}; "
-                  f"run the same command again to resume (exit code {checkpoint.EXIT_PREEMPTED})")
+            print(f"{checkpoint.stop_requested or 'SIGTERM'}: stopped at step {state.step}; wrote "
+                  f"{os.path.join(log_dir, f'model_{state.step:05d}.pt')}; run the same command again to resume "
+                  f"(exit code {checkpoint.EXIT_PREEMPTED})")
         return checkpoint.EXIT_PREEMPTED
 
-    checkpoint.listen_for_sigterm()  # from here on SIGTERM only sets a flag, read at step boundaries
+    checkpoint.listen_for_stop_signals()  # from here SIGTERM and Ctrl-C only set a flag, read at step boundaries
     if master:  # MFU: model FLOPs per second over the peak of all processes' devices
         fpt, (peak, peak_from) = flops_per_token(state.raw_model.config, T), peak_flops(device, dtype)
         print(f"mfu: against {peak / 1e12:.4g} TFLOP/s per process ({peak_from}), {fpt / 1e6:.4g} MFLOP per token")
     for step in range(start, max_steps + 1):
         last_step = step == max_steps
-        evals_done = state.evaluated  # only on resuming from a checkpoint that did this step's evals
-        if agree(checkpoint.stop_requested):  # SIGTERM on any rank: all stop here together
-            return preempted(None, saved=evals_done)
+        if agree(bool(checkpoint.stop_requested)):  # SIGTERM or Ctrl-C on any rank: all stop here together
+            return preempted(None, saved=state.evaluated)  # evaluated: resumed from a checkpoint of this step
         do_checkpoint = last_step or (checkpoint_interval > 0 and step > 0 and step % checkpoint_interval == 0)
         do_eval = eval_interval > 0 and (step % eval_interval == 0 or last_step or do_checkpoint)
         do_sample = sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step)
-        if not evals_done and (do_eval or do_sample or do_checkpoint):
+        if not state.evaluated and (do_eval or do_sample or do_checkpoint):
             val_loss = evals_and_samples(state, val_data, hella_data, do_eval, do_sample) if do_eval or do_sample else None
             state.evaluated = True
             if do_checkpoint:
                 checkpoint.save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints)
-            if not last_step and agree(checkpoint.stop_requested):  # SIGTERM during the evals
+            if not last_step and agree(bool(checkpoint.stop_requested)):  # a stop signal during the evals
                 return preempted(val_loss, saved=do_checkpoint)
         if last_step:
             return 0

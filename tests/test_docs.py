@@ -58,3 +58,11 @@ def test_every_code_reference_in_docs_resolves():
 def test_ddp_guide_points_at_the_code():
     refs = set(references(open(os.path.join(ROOT, "docs", "ddp.md")).read()))
     assert len(refs) >= 15, sorted(refs)
+
+
+def test_config_files_are_said_to_run_as_code():
+    """Issue 21.8: a config file is Python that the trainer executes: the README and configurator.py
+    say so, and to use only files you trust."""
+    for path in ("README.md", "configurator.py"):
+        text = " ".join(open(os.path.join(ROOT, path)).read().split())
+        assert "runs as code: use only files you trust" in text, path

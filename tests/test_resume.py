@@ -478,3 +478,35 @@ def test_resumed_optimizer_keeps_this_devices_settings():
     checkpoint.restore(state, ckpt, "model_00001.pt", max_bad_steps=5)
     assert [(g["fused"], g["foreach"]) for g in state.optimizer.param_groups] == [(False, None)] * 2
     assert torch.equal(state.optimizer.state[next(m.parameters())]["exp_avg"], opt.state[next(m.parameters())]["exp_avg"])
+
+
+def test_ctrl_c_stops_like_sigterm_and_a_second_one_aborts(one, data, tmp_path):
+    """Issue 21.9: the first Ctrl-C (SIGINT) finishes the step, writes its checkpoint and exits 75
+    with one line; the same command resumes to the uninterrupted run's log and weights. In a
+    process with the handlers on, a second Ctrl-C raises KeyboardInterrupt at once."""
+    log_dir = tmp_path / "one"
+    p = start(args(data, log_dir))
+    wait_for_step(log_dir, 22, p)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 75 and "Traceback" not in out, out
+    stopped = int(re.search(r"Ctrl-C: stopped at step (\d+); wrote ", out).group(1))
+    assert state(log_dir, stopped)["step"] == stopped
+    r = run_script(args(data, log_dir))
+    assert r.returncode == 0, r.stderr
+    assert (log_dir / "log.txt").read_text() == (one / "log.txt").read_text()
+    assert_same(state(one), state(log_dir))
+
+    import checkpoint
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        checkpoint.listen_for_stop_signals()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert checkpoint.stop_requested == "Ctrl-C"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+        checkpoint.stop_requested = ""

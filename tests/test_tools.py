@@ -343,6 +343,24 @@ def test_export_files_are_readable_as_the_umask_says(exported):
     assert modes == {name: oct(0o666 & ~umask) for name in modes}
 
 
+def test_export_racing_another_writer_is_one_line(exported, tmp_path, monkeypatch):
+    """Issue 21.8: another writer fills OUT_DIR while the export runs: one UserError naming it, that
+    writer's files left alone, no temporary folder left behind."""
+    import export_hf
+    from errors import UserError
+    ckpt, _ = exported
+    out, real = tmp_path / "race", export_hf.save_tokenizer
+
+    def racing(folder, max_length):  # the other writer arrives while this export writes
+        out.mkdir()
+        (out / "theirs.txt").write_text("x")
+        return real(folder, max_length)
+    monkeypatch.setattr(export_hf, "save_tokenizer", racing)
+    with pytest.raises(UserError, match=f"{out}: another writer filled it while this export ran"):
+        export_hf.export(str(ckpt), str(out))
+    assert os.listdir(out) == ["theirs.txt"] and os.listdir(tmp_path) == ["race"]
+
+
 def test_export_tokenizer_is_tiktokens_gpt2(exported, enc):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(exported[1])
