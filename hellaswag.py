@@ -134,10 +134,8 @@ FUSED_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn
 
 
 def onednn_linear(layer, x):
-    """layer(x), through oneDNN on CPU in float32 without autocast, else as nn.Linear does."""
-    if x.is_cpu and x.dtype == torch.float32 and not torch.is_autocast_enabled('cpu'):
-        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
-    return F.linear(x, layer.weight, layer.bias)
+    """layer(x) through oneDNN (blocks_through_onednn routes a layer here only on CPU in float32)."""
+    return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
 
 
 @contextlib.contextmanager

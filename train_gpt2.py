@@ -30,8 +30,8 @@ from errors import UserError
 from hardware import autocast, choose_precision, peak_flops, pick_device, reuse_freed_memory
 from hellaswag import evaluate as evaluate_hellaswag, load_for_training
 from model import GPT, GPTConfig, flops_per_token
-from parallel import (agree, clip_grad_norm, end_process_group, require_backward_grad_sync, restart_store,
-                      shard_fsdp, state_mib, whole_models, wrap_ddp)
+from parallel import (agree, clip_grad_norm, end_process_group, rank as process_rank, require_backward_grad_sync,
+                      restart_store, shard_fsdp, state_mib, whole_models, world_size, wrap_ddp)
 from sample import training_samples
 from shards import ShuffledDocuments, find_shards, load_val_tokens, open_shard
 
@@ -189,7 +189,7 @@ class DataLoaderLite:
 def evaluate(model, tokens, B, T, device, dtype):
     """Mean loss over the len(tokens) // T sequences of T tokens in tokens, all ranks together.
     Rank r scores the sequences r, r + world, ...: the value does not depend on world."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = process_rank(), world_size()
     model.eval()
     n_seq = (len(tokens) - 1) // T
     mine = range(rank, n_seq, world)
@@ -264,14 +264,15 @@ def train_step(state, grad_accum_steps, lr, grad_clip, device, dtype):
     scaler.unscale_(optimizer)  # float16: the gradients back to their true size, before clipping
     norm = clip_grad_norm(model, grad_clip)  # the global norm, the same on every rank
     finite_loss, finite_norm = torch.stack((torch.isfinite(loss_accum), torch.isfinite(norm))).tolist()  # one wait
-    ok, scale = finite_loss and finite_norm, scaler.get_scale()
+    ok = finite_loss and finite_norm
+    scale = scaler.get_scale() if finite_loss and not finite_norm else 0  # read only then: on a GPU it waits
     if ok:
         for group in optimizer.param_groups:
             group['lr'] = lr
         optimizer.step()
     scaler.update()  # float16: halve the scale after an inf/nan gradient, double it after 2000 clean steps
-    # an overflow: the scaler saw one and lowered its scale; at a scale <= 1 it is a bad step all the same
-    overflow = not ok and scaler.get_scale() < scale and scale > 1
+    # float16 overflow: inf/nan gradients of a finite loss made the scaler lower its scale; at <= 1, a bad step
+    overflow = scale > 1 and scaler.get_scale() < scale
     return loss_accum, norm, ok, overflow
 
 
@@ -347,10 +348,9 @@ def run():
         print(f"parameters: {sum(p.numel() for p in raw_model.parameters()):,}")
         print(f"train data: {loader.n_tokens:,} tokens, {loader.steps_per_epoch:,} steps per epoch at {total_batch_size:,} "
               f"tokens per step; max_steps={max_steps} is {max_steps / loader.steps_per_epoch:.2f} epochs")
-    model = torch.compile(raw_model) if compile else raw_model
+    state.model = torch.compile(raw_model) if compile else raw_model
     if world > 1 and parallel == 'ddp':  # gradients all-reduced during backward; rank 0's weights everywhere
-        model = wrap_ddp(model, device)
-    state.model = model
+        state.model = wrap_ddp(state.model, device)
     hella_data = load_for_training(hellaswag_file, raw_model) if hellaswag and eval_interval > 0 else None
     if master:
         checkpoint.prepare_log_dir(log_dir, state.step, state.evaluated)
@@ -414,7 +414,7 @@ def train(state, val_data, hella_data, grad_accum_steps):
             return 0
 
         if master and state.loader.epoch > 0 and state.loader.shard == state.loader.pos == 0:  # a new epoch starts
-            print(f"step {step:5d} | epoch {state.loader.epoch} begins: the train data again, in a new order")
+            print(f"step {step:5d} | epoch {state.loader.epoch} begins ({'a new order' if state.loader.shuffle else 'in order'})")
             run_record.log(log_dir, f"{step} epoch {state.loader.epoch}")
         t0 = time.time()
         lr = get_lr(step, max_lr, min_lr, warmup_steps, max_steps)
