@@ -328,6 +328,45 @@ def restore(state, ckpt, path, max_bad_steps):
     state.step, state.evaluated, state.bad_steps = ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
 
 
+_lock_file = None  # rank 0's open run.lock: the lock lasts as long as the process
+
+
+def lock_log_dir(log_dir):
+    """Rank 0, first thing: take log_dir/run.lock for the life of this process. '' once taken; else
+    one line naming the run that holds it. A POSIX record lock (fcntl.lockf): the kernel drops it
+    when its process ends, however it ends (kill -9 too), so a dead run never blocks the next start;
+    a forked child does not inherit it. On NFS the server's lock manager holds it for every node;
+    Lustre needs mounting with -o flock (docs/resume.md)."""
+    global _lock_file
+    if os.name != 'posix':
+        return ''
+    import fcntl
+    import socket
+    import time
+    if _lock_file is not None:  # an earlier run in this process (tests); closing drops its lock
+        _lock_file.close()
+    os.makedirs(log_dir, exist_ok=True)
+    path = os.path.join(log_dir, 'run.lock')
+    f = open(path, 'a+')  # never truncated unless taken: the holder's line stays for the next one to read
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: another process holds it
+        f.seek(0)
+        holder = f.read().strip() or 'a process that has not written its name yet'
+        f.close()
+        return (f"log_dir={log_dir} is in use by a live run ({holder}; {path}); wait for it to end or stop it, "
+                f"or choose another log_dir")
+    except OSError as e:  # ENOLCK, ENOSYS: a file system without locks
+        f.close()
+        print(f"warning: cannot lock {path} ({e}): nothing stops a second run from using this log_dir")
+        return ''
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    _lock_file = f
+    return ''
+
+
 def prepare_log_dir(log_dir, start, evaluated):
     """Rank 0, before the first step: remove a checkpoint write that a crash cut short, and the log
     lines a crashed run wrote after its checkpoint (all of them for a fresh run). No step is logged

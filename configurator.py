@@ -82,6 +82,20 @@ def parse_config(argv, defaults, doc=""):
     return config
 
 
+def accumulation_steps(total_batch_size, B, T, world):
+    """grad_accum_steps: total_batch_size // (B * T * world), which must divide; else one line
+    that says which total_batch_size or B would."""
+    per_micro = B * T * world  # every rank takes B*T tokens per micro-step
+    if total_batch_size % per_micro == 0:
+        return total_batch_size // per_micro
+    lo = total_batch_size // per_micro * per_micro
+    fits = [b for b in range(B - 1, 0, -1) if total_batch_size % (b * T * world) == 0]
+    lower = f" (or lower: {', '.join(map(str, fits[1:3]))}, ...)" if len(fits) > 1 else ""
+    raise UserError(f"total_batch_size={total_batch_size} is not a multiple of B*T*world_size = {B}*{T}*{world} = "
+                    f"{per_micro}; try {f'{lo} or {lo + per_micro}' if lo else per_micro}, or "
+                    + (f"with {world} process(es) use B={fits[0]}{lower}" if fits else "change B"))
+
+
 def check_config(c):
     for key in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size', 'total_batch_size', 'B', 'T'):
         if c[key] <= 0:

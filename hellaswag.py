@@ -1,7 +1,7 @@
 """
 HellaSwag: download, render and score, as build-nanogpt does, but batched and distributed.
 
-    python hellaswag.py --model gpt2                 # OpenAI GPT-2 124M (through HF): acc ~0.2859 acc_norm ~0.2955
+    python hellaswag.py --model gpt2                 # OpenAI GPT-2 124M (through HF): acc 0.2859 acc_norm 0.2955
     python hellaswag.py --model log/model_19073.pt   # a checkpoint of train_gpt2.py
     python hellaswag.py --model path/to/hf_dir --file hellaswag_val.jsonl --limit 500
 
@@ -248,12 +248,12 @@ def load_for_training(file, model):
         why = f"vocab_size={model.config.vocab_size} is smaller than GPT-2's {N_VOCAB}"
     else:
         path = file or os.path.join(CACHE_DIR, 'hellaswag_val.jsonl')
-        if not file and parallel.rank() == 0:
+        if not file and int(os.environ.get('LOCAL_RANK', 0)) == 0:  # once per node: nodes may not share ./hellaswag/
             try:
-                download('val')  # nothing to do once cached
+                download('val')  # nothing to do once cached; on a shared folder the nodes' renames are each atomic
             except UserError as e:
                 why = str(e)
-        parallel.barrier()  # rank 0's download first
+        parallel.barrier()  # each node's download first
         if os.path.isfile(path):
             examples = [render_example(e) for e in iterate_examples(file=path)]  # bad data: UserError
             if not examples:  # every rank reads the same file: all stop here, before step 0

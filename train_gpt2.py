@@ -25,7 +25,7 @@ import torch.distributed as dist
 import checkpoint
 from checkpoint import TrainState
 import run_record
-from configurator import parse_config
+from configurator import accumulation_steps, parse_config
 from errors import UserError
 from hardware import autocast, choose_precision, peak_flops, pick_device, reuse_freed_memory
 from hellaswag import evaluate as evaluate_hellaswag, load_for_training
@@ -306,15 +306,12 @@ def run():
     """Set up the data, the model (fresh, pretrained or resumed) and the optimizer, then train;
     returns the exit code: 0, or checkpoint.EXIT_PREEMPTED after a SIGTERM."""
     master = rank == 0
+    if agree(bool(busy := checkpoint.lock_log_dir(log_dir) if master else '')):  # one run per log_dir
+        raise UserError(busy or f"log_dir={log_dir} is in use by another run")
     torch.manual_seed(seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
     if device.startswith('cuda'):
         torch.set_float32_matmul_precision('high')  # TF32 for the float32 matmuls
-    tokens_per_micro = B * T * world  # every rank takes B*T tokens per micro-step
-    if total_batch_size % tokens_per_micro:
-        lo = total_batch_size // tokens_per_micro * tokens_per_micro
-        raise UserError(f"total_batch_size={total_batch_size} is not a multiple of B*T*world_size = {B}*{T}*{world} "
-                        f"= {tokens_per_micro}; try {f'{lo} or {lo + tokens_per_micro}' if lo else tokens_per_micro}, or change B")
-    grad_accum_steps = total_batch_size // tokens_per_micro
+    grad_accum_steps = accumulation_steps(total_batch_size, B, T, world)  # total_batch_size // (B * T * world)
     if master:
         print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
         print(f"world_size={world} device={device} grad_accum_steps={grad_accum_steps}")

@@ -101,6 +101,22 @@ def test_total_batch_size_must_divide():
     assert "total_batch_size=100 is not a multiple of B*T*world_size = 4*64*1 = 256; try 256, or change B" in r.stderr
 
 
+def test_16_gpus_are_told_which_B_to_use():
+    """Issue 21.17: 2 nodes x 8 GPUs at the 124M defaults (64 x 1024 x 16 > 2**19) stop with a line
+    that names the B that works, and the README's two-node command and the 124M preset give it."""
+    from configurator import accumulation_steps
+    assert accumulation_steps(524288, 64, 1024, 8) == 1 and accumulation_steps(524288, 8, 1024, 8) == 8
+    with pytest.raises(UserError) as e:
+        accumulation_steps(524288, 64, 1024, 16)
+    assert "with 16 process(es) use B=32 (or lower: 16, 8, ...)" in str(e.value), e.value
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    two_nodes = readme[readme.index("torchrun --nnodes=2"):].split("\n\n")[0]
+    assert "--nproc_per_node=8" in two_nodes and "--B=32" in two_nodes and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in readme
+    preset = open(os.path.join(ROOT, "config", "gpt2_124M.py")).read()
+    assert "16 GPUs: B = 32" in preset
+    assert accumulation_steps(524288, 32, 1024, 16) == 1 and accumulation_steps(1048576, 8, 1024, 16) == 8
+
+
 def test_lr_schedule():
     kw = dict(max_lr=6e-4, min_lr=6e-5, warmup_steps=10, max_steps=110)
     assert get_lr(0, **kw) == pytest.approx(6e-5)  # (0 + 1) / 10 of max_lr

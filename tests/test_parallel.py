@@ -244,3 +244,45 @@ def test_fsdp_eval_copy_is_gone_during_training(data, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     counts = re.findall(r"live GPTs: (\d+)", r.stdout)
     assert len(counts) == 2 * 10 and set(counts) == {"1"}, counts
+
+
+FAKE_DOWNLOAD = """
+import io, os, urllib.request
+def urlopen(url, *a, **k):  # the HellaSwag download, served from a local file: one line per download
+    with open(os.environ['DOWNLOADS'], 'a') as f:
+        f.write(os.getcwd() + '\\n')
+    r = io.BytesIO(open(os.environ['HELLASWAG_SOURCE'], 'rb').read())
+    r.headers = {'Content-Length': str(len(r.getvalue()))}
+    return r
+urllib.request.urlopen = urlopen
+"""
+
+
+def test_two_nodes_with_their_own_code_folders_both_download_hellaswag(tmp_path):
+    """Issue 21.13: two nodes, each with its own copy of the code (and so of ./hellaswag/), and no
+    hellaswag_file: each node downloads the val split once (its local rank 0), and the run evaluates
+    HellaSwag on both, instead of switching it off with a warning."""
+    from test_hellaswag import make_examples, write_file
+    data = random_shards(tmp_path / "data", 2, 300, [1000], vocab=50257)
+    write_file(tmp_path / "source.jsonl", make_examples(23, seed=5))
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(FAKE_DOWNLOAD)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(tmp_path / "site"),
+               DOWNLOADS=str(tmp_path / "downloads"), HELLASWAG_SOURCE=str(tmp_path / "source.jsonl"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=hella", "train_gpt2.py", *TINY,
+           f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--B=2", "--T=16", "--total_batch_size=64",
+           "--max_steps=2", "--eval_interval=2", "--val_tokens=256", "--sample_interval=0"]
+    nodes = []
+    for name in ("node_a", "node_b"):
+        code = tmp_path / name
+        shutil.copytree(ROOT, code, ignore=shutil.ignore_patterns(".*", "tests", "hellaswag", "docs", "__pycache__", "log*"))
+        nodes.append(subprocess.Popen(cmd, cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    out = finish(nodes)
+    assert "no HellaSwag eval" not in out, out
+    assert sorted(read_log(tmp_path / "log")["hella"]) == [0, 2]
+    downloads = (tmp_path / "downloads").read_text().split()
+    assert sorted(downloads) == [str(tmp_path / "node_a"), str(tmp_path / "node_b")]
+    for name in ("node_a", "node_b"):
+        assert (tmp_path / name / "hellaswag" / "hellaswag_val.jsonl").read_bytes() == (tmp_path / "source.jsonl").read_bytes()

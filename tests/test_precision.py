@@ -158,3 +158,43 @@ def test_two_processes_skip_the_same_overflow(fp16, data, tmp_path):
     for step in range(120):
         assert abs(one_log["train"][step] - two_log["train"][step]) <= 1e-4, step
     assert state(tmp_path / "log")["scaler"] == state(fp16[0])["scaler"]
+
+
+ONE_RANK = """
+import os, sys, torch, train_gpt2
+rank, calls, step = int(os.environ['RANK']), [0], train_gpt2.train_step
+def poisoned(state, *a, **k):  # rank 1 only, step 10: NaN in the gradient of the position-0 embedding
+    poison = lambda m, i, out: out.register_hook(lambda g: torch.cat((g[:1] * float('nan'), g[1:]))) and None
+    hook = state.raw_model.transformer.wpe.register_forward_hook(poison) if rank == 1 and calls[0] == 10 else None
+    calls[0] += 1
+    try:
+        return step(state, *a, **k)
+    finally:
+        if hook: hook.remove()
+        sys.stdout.write(f"rank {rank} step {calls[0] - 1} scale {state.scaler.get_scale():g}\\n")  # one write: whole lines
+train_gpt2.train_step = poisoned
+train_gpt2.main(sys.argv[1:])
+"""
+
+
+def test_an_overflow_one_rank_sees_is_skipped_by_all(data, tmp_path):
+    """Issue 21.7: rank 1 alone makes wpe's row 0 gradient NaN. DDP's all-reduce spreads it to every
+    rank; FSDP's reduce-scatter leaves it in rank 0's shard only, and each rank's scaler checks its
+    own shard (DTensor all-reduces what they found). Every rank must skip the step and lower its
+    loss scale together (a rank that kept 65536 would mix differently scaled gradients from then
+    on), and FSDP with float16 must train as DDP does."""
+    script = tmp_path / "one_rank.py"
+    script.write_text(ONE_RANK)
+    logs = {}
+    for parallel in ("ddp", "fsdp"):
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            str(script), *args(data, tmp_path / parallel, *FP16, "--max_steps=30", f"--parallel={parallel}")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+        assert r.returncode == 0, r.stdout + r.stderr
+        scales = {(int(w[1]), int(w[3])): float(w[5]) for w in map(str.split, r.stdout.splitlines()) if w[:1] == ["rank"]}
+        for s in range(30):
+            assert scales[0, s] == scales[1, s] == (65536.0 if s < 10 else 32768.0), (parallel, s, scales[0, s], scales[1, s])
+        logs[parallel] = log = read_log(tmp_path / parallel)
+        assert log["overflow"] == {10: 32768.0} and "skip" not in log and sorted(log["train"]) == list(range(30)), parallel
+    assert all(abs(logs["ddp"]["train"][s] - logs["fsdp"]["train"][s]) <= 1e-5 for s in range(30)), logs

@@ -6,6 +6,7 @@ import pickle
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -300,7 +301,7 @@ def test_read_error_is_not_corruption(one, data, tmp_path):
     assert r.returncode == 1
     assert f"error: cannot read {log_dir / 'model_00040.pt'} (IsADirectoryError: " in r.stderr
     assert "nothing falls back: fix the cause and run again" in r.stderr
-    assert sorted(os.listdir(log_dir)) == before
+    assert sorted(os.listdir(log_dir)) == sorted(before + ["run.lock"])  # the lock the run took: nothing else
 
 
 def test_no_loadable_checkpoint_is_an_error(data, tmp_path):
@@ -311,7 +312,7 @@ def test_no_loadable_checkpoint_is_an_error(data, tmp_path):
     assert r.returncode == 1
     assert f"warning: cannot resume from {log_dir / 'model_00010.pt'}: " in r.stdout
     assert f"error: {str(log_dir)!r} holds checkpoints but none can be resumed from" in r.stderr
-    assert os.listdir(log_dir) == ["model_00010.pt"]  # nothing renamed, nothing written
+    assert sorted(os.listdir(log_dir)) == ["model_00010.pt", "run.lock"]  # nothing renamed, nothing written but the lock
 
 
 def test_config_against_the_checkpoint(one, data, tmp_path):
@@ -319,7 +320,7 @@ def test_config_against_the_checkpoint(one, data, tmp_path):
     finished run has nothing to do; resume='never' refuses a folder with checkpoints."""
     log_dir = tmp_path / "log"
     copy_checkpoint(one, log_dir, 40)
-    before = sorted(os.listdir(log_dir)), (log_dir / "log.txt").read_text()
+    before = sorted(os.listdir(log_dir) + ["run.lock"]), (log_dir / "log.txt").read_text()  # + the lock a run takes
     r = run_script(args(data, log_dir, "--n_layer=3", "--n_embd=64"))
     assert r.returncode == 1
     assert (f"error: {log_dir / 'model_00040.pt'} holds a model with n_layer=2, n_embd=32, but the config asks for "
@@ -417,7 +418,7 @@ def test_failed_checkpoint_write_keeps_the_earlier_ones(one, data, tmp_path):
     assert r.returncode == 1
     assert (f"error: could not write the checkpoint {log_dir / 'model_00040.pt'} ([Errno 27] File too large); the "
             f"earlier checkpoints are untouched") in r.stderr
-    assert sorted(os.listdir(log_dir)) == ["log.txt", "model_00020.pt", "run.json"]
+    assert sorted(os.listdir(log_dir)) == ["log.txt", "model_00020.pt", "run.json", "run.lock"]
     assert_same(state(one, 20), state(log_dir, 20))
     r = run_script(args(data, log_dir))
     assert r.returncode == 0, r.stderr
@@ -510,3 +511,42 @@ def test_ctrl_c_stops_like_sigterm_and_a_second_one_aborts(one, data, tmp_path):
         signal.signal(signal.SIGINT, handlers[0])
         signal.signal(signal.SIGTERM, handlers[1])
         checkpoint.stop_requested = ""
+
+
+def test_one_run_per_log_dir(one, data, tmp_path):
+    """Issue 21.2: a second launch on a live run's log_dir (here: while the first is paused right
+    after a checkpoint) exits at once, non-zero, with one line naming the log_dir and the holder,
+    and touches nothing: plain python and torchrun alike. The live run then ends as if alone."""
+    log_dir = tmp_path / "log"
+    p = start(args(data, log_dir))
+    wait_for_step(log_dir, 21, p)
+    os.killpg(p.pid, signal.SIGSTOP)  # holds its lock, mid-run
+    try:
+        before = {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in log_dir.iterdir()}
+        for nproc in (None, 2):
+            r = run_script(args(data, log_dir), nproc=nproc, timeout=120)
+            assert r.returncode != 0, r.stdout
+            error = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+            assert len(error) == 1 and str(log_dir) in error[0] and f"pid {p.pid} on {socket.gethostname()}" in error[0], r.stderr
+            assert "| loss" not in r.stdout and "resuming" not in r.stdout
+            assert {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in log_dir.iterdir()} == before
+    finally:
+        os.killpg(p.pid, signal.SIGCONT)
+    assert p.wait(timeout=120) == 0, p.stdout.read()
+    assert (log_dir / "log.txt").read_text() == (one / "log.txt").read_text()
+    assert_same(state(one), state(log_dir))
+
+
+def test_a_log_dir_without_locks_warns_and_runs(tmp_path, monkeypatch, capsys):
+    """A file system without locks (Lustre mounted noflock: ENOSYS) must not stop a run: one
+    warning that names run.lock, and the run goes on unprotected."""
+    import errno
+    import fcntl
+    import checkpoint
+
+    def no_locks(*a):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    assert checkpoint.lock_log_dir(str(tmp_path / "log")) == ""
+    out = capsys.readouterr().out
+    assert f"warning: cannot lock {tmp_path / 'log' / 'run.lock'}" in out and "Function not implemented" in out

@@ -48,7 +48,8 @@ def test_end_to_end_tiny_run(tmp_path, enc):
     assert len(samples) == 8 and all("Hello, I'm a language model," in s for s in samples)
     assert samples[0].startswith("step 10 sample 0: ") and samples[4].startswith("step 20 sample 0: ")
 
-    assert sorted(os.listdir(log_dir)) == ["log.txt", "model_00010.pt", "model_00020.pt", "run.json", "samples.txt"]
+    assert sorted(os.listdir(log_dir)) == ["log.txt", "model_00010.pt", "model_00020.pt", "run.json", "run.lock",
+                                          "samples.txt"]
     assert abs(torch.load(log_dir / "model_00010.pt", weights_only=True)["val_loss"] - log["val"][10]) <= 5e-5
     ckpt = torch.load(log_dir / "model_00020.pt", weights_only=True)
     assert ckpt["step"] == 20 and abs(ckpt["val_loss"] - log["val"][20]) <= 5e-5
