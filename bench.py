@@ -6,6 +6,7 @@ Speed and memory of the training step, the instrument behind every speed claim o
     python bench.py config/demo_cpu.py --bench_hellaswag=True   # HellaSwag scoring speed instead
     python bench.py --bench_hellaswag_process=True   # python hellaswag.py vs build-nanogpt's loop, whole process
     python bench.py --bench_profile=True   # on CUDA: then one step under torch.profiler, by kernel kind
+    python bench.py --bench_recipe=True    # the quick start trained per recipe: AdamW/Muon x cosine/WSD
 
 Takes the trainer's configuration (same constants, files and overrides; dtype and compile
 "auto" resolved as the trainer resolves them), runs bench_warmup + bench_steps optimizer steps of
@@ -23,10 +24,14 @@ time to open it (shuffled: to find its documents and draw their order) and its t
 optimizer step at total_batch_size; and loading the shard whole as int64 tokens (build-nanogpt's
 loader), in the same run. The step bench prints the loader's time per step too, in order and
 shuffled, beside the step time (its steps run on tokens in memory).
+
+With bench_recipe=True it trains the README quick start once per recipe instead (RECIPES, below).
 """
 import json
 import os
+import re
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -238,14 +243,13 @@ def bench_step(c, argv, device):
     fpt = flops_per_token(config, c['T'])
     peak_flops = matmul_flops(device, c['dtype'])
     mem_what = "max allocated by torch" if device.startswith('cuda') else "peak RSS of the process"
-    cpu = torch.cpu.get_capabilities().get('cpu_name', '?') if hasattr(torch.cpu, 'get_capabilities') else '?'
     print(f"model: {ours['params'] / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
           f"n_embd={config.n_embd} vocab={config.vocab_size}")
     print(f"batch: B={c['B']} T={c['T']} grad_accum={c['total_batch_size'] // (c['B'] * c['T'])} "
           f"({c['total_batch_size']} tokens/step), device={device} dtype={c['dtype']} compile={c['compile']} "
           f"threads={ours['threads']} cpu_reuse_memory={c['cpu_reuse_memory']}")
     if device == 'cpu':
-        print(f"cpu: {cpu}, bf16 units: {cpu_has_bf16()}, kernels: {torch.backends.cpu.get_cpu_capability()}")
+        print(describe_cpu())
     print(f"step time: {ours['dt'] * 1000:.1f} ms (mean of {c['bench_steps']} after {c['bench_warmup']} warmup)")
     with tempfile.TemporaryDirectory() as tmp:  # the data loader's share, on 20 steps of synthetic documents
         synthetic_shard(tmp, 20 * max(c['total_batch_size'], c['B'] * c['T']) + 1)
@@ -264,6 +268,66 @@ def bench_step(c, argv, device):
               f"peak memory {base['peak']:,.0f} MiB")
         print(f"time per step vs baseline: {ours['dt'] / base['dt']:.3f}x (speedup {base['dt'] / ours['dt']:.3f}x); "
               f"peak memory vs baseline: {ours['peak'] / base['peak']:.3f}x")
+
+
+# --bench_recipe=True: the trainer's arguments for each recipe, after config/demo_cpu.py (the README
+# quick start); the learning rates are the best of the sweep in docs/benchmarks.md
+RECIPES = {
+    'adamw+cosine': ['--optimizer=adamw', '--lr_schedule=cosine', '--max_lr=1.5e-3'],
+    'adamw+wsd': ['--optimizer=adamw', '--lr_schedule=wsd', '--max_lr=1.5e-3'],
+    'muon+wsd': ['--optimizer=muon', '--lr_schedule=wsd', '--max_lr=1.5e-3', '--muon_lr=4.5e-3'],
+    'muon+cosine': ['--optimizer=muon', '--lr_schedule=cosine', '--max_lr=1.5e-3', '--muon_lr=4.5e-3'],
+}
+
+
+def describe_cpu():
+    cpu = torch.cpu.get_capabilities().get('cpu_name', '?') if hasattr(torch.cpu, 'get_capabilities') else '?'
+    return f"cpu: {cpu}, bf16 units: {cpu_has_bf16()}, kernels: {torch.backends.cpu.get_cpu_capability()}"
+
+
+def bench_recipe(c, argv):
+    """The README quick start (config/demo_cpu.py on demo_stdlib/: the same model, tokens and
+    steps) trained once per recipe of bench_recipes, each in a process of its own, val every 10
+    steps: final val loss and bits per byte, median ms per step, and the first val step at which
+    each reaches the first recipe's final val loss, as a share of its steps. Other --key=value
+    arguments (not bench_*) go to every run, after the recipe's own. bench_recipe_dir: keep each
+    run's log_dir there, as DIR/RECIPE (for plot.py), instead of in a temporary folder."""
+    import plot
+    names = c['bench_recipes'].split(',')
+    if any(name not in RECIPES for name in names):
+        sys.exit(f"error: bench_recipes={c['bench_recipes']!r}: expected a comma-separated list of {', '.join(RECIPES)}")
+    extra = [a for a in argv if a.startswith('--') and not a.startswith('--bench_')]
+    print(describe_cpu())
+    keep = c['bench_recipe_dir']
+    taken = [os.path.join(keep, name) for name in names if keep and os.path.exists(os.path.join(keep, name))]
+    if taken:  # a run there would resume, not start afresh
+        sys.exit(f"error: {taken[0]} exists: remove it, or choose another --bench_recipe_dir")
+    results = {}
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            log_dir = os.path.abspath(os.path.join(keep, name)) if keep else tmp
+            cmd = [sys.executable, 'train_gpt2.py', 'config/demo_cpu.py', *RECIPES[name], '--eval_interval=10',
+                   '--sample_interval=0', '--checkpoint_interval=0', *extra, f'--log_dir={log_dir}']
+            r = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+            if r.returncode != 0:
+                sys.exit(f"error: the {name} run failed:\n{r.stderr[-3000:]}")
+            curves = plot.read_log(log_dir)
+        val, bpb = dict(zip(*curves['val'])), dict(zip(*curves['bpb']))
+        ms = statistics.median(float(m) for m in re.findall(r"\| dt ([\d.]+)ms", r.stdout)[1:])  # after the first
+        results[name] = val, bpb, ms
+        precision = next(line for line in r.stdout.splitlines() if line.startswith('precision:'))
+        print(f"{name}: {' '.join(RECIPES[name] + extra)}; {precision}; val loss {val[max(val)]:.4f}, "
+              f"{ms:.0f} ms/step", flush=True)
+    target = results[names[0]][0][max(results[names[0]][0])]
+    print(f"\n{'recipe':<14} {'final val':>9} {'val bpb':>8} {'ms/step':>8}   steps to val {target:.4f} ({names[0]}'s final)")
+    for name, (val, bpb, ms) in results.items():
+        last = max(val)
+        reach = next((s for s in sorted(val) if val[s] <= target), None)
+        when = f"{reach} of {last} = {reach / last:.2f}x" if reach is not None else "not reached"
+        print(f"{name:<14} {val[last]:>9.4f} {bpb[last]:>8.4f} {ms:>8.0f}   {when}")
+    if keep:
+        print(f"logs: {', '.join(os.path.join(keep, name) for name in names)}; overlaid: python plot.py "
+              f"{' '.join(os.path.join(keep, name) for name in names)} --out recipes.png")
 
 
 def bench_hellaswag(c, config, device):
@@ -383,7 +447,7 @@ def main():
     defaults = dict(train_gpt2.DEFAULTS)
     defaults.update(bench_steps=5, bench_warmup=2, bench_loader_tokens=0, bench_baseline=True, bench_hellaswag=False,
                     bench_role="", bench_hellaswag_process=False, bench_hellaswag_examples=500,
-                    bench_profile=False)
+                    bench_profile=False, bench_recipe=False, bench_recipes=",".join(RECIPES), bench_recipe_dir="")
     try:
         c = parse_config(sys.argv[1:], defaults, __doc__)
     except UserError as e:
@@ -394,6 +458,8 @@ def main():
         return bench_loader(c)
     if c['bench_hellaswag_process']:
         return bench_hellaswag_process(c)
+    if c['bench_recipe']:
+        return bench_recipe(c, sys.argv[1:])
     _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])
     if device.startswith('cuda'):
         torch.set_float32_matmul_precision('high')

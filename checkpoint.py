@@ -115,11 +115,12 @@ def read_checkpoint(path):
         if have != want:
             k = next(k for k in sorted(want.keys() | have.keys()) if want.get(k) != have.get(k))
             raise ValueError(f"'model' does not match its config {ckpt['config']}: {k} is {have.get(k)}, expected {want.get(k)}")
-        optimizer = model.configure_optimizers(0.0, 0.0, 'cpu')
+        optimizer = model.configure_optimizers(0.0, 1.0, 'cpu', ckpt['train_config'].get('optimizer', 'adamw'), 1.0)
         optimizer.load_state_dict(ckpt['optimizer'])  # group and parameter counts
-        for p, state in optimizer.state.items():
-            if state['exp_avg'].shape != p.shape or state['exp_avg_sq'].shape != p.shape:
-                raise ValueError(f"'optimizer' state of shape {tuple(state['exp_avg'].shape)} for a parameter of shape {tuple(p.shape)}")
+        for p, state in optimizer.state.items():  # AdamW's moments, Muon's momentum: each the parameter's shape
+            for v in state.values():
+                if v.dim() > 0 and v.shape != p.shape:
+                    raise ValueError(f"'optimizer' state of shape {tuple(v.shape)} for a parameter of shape {tuple(p.shape)}")
         return ckpt
     except (ValueError, MemoryError):
         raise  # MemoryError: the file may well be fine
@@ -288,10 +289,11 @@ def trim_lines(path, step_field, keep):
 
 def resumed_model_config(ckpt, path, config):
     """The checkpoint's model shape, once the config is known not to change it."""
-    old = ckpt['train_config']
-    if old.get('init_from') != config['init_from']:
-        raise UserError(f"{path} continues a run with init_from={old.get('init_from')!r}, but the config says "
-                        f"init_from={config['init_from']!r}: set it back, or point log_dir elsewhere to start afresh")
+    old = dict({'optimizer': 'adamw'}, **ckpt['train_config'])  # written before Muon: AdamW
+    for key in ('init_from', 'optimizer'):  # another source of weights, or another optimizer's state
+        if old.get(key) != config[key]:
+            raise UserError(f"{path} continues a run with {key}={old.get(key)!r}, but the config says "
+                            f"{key}={config[key]!r}: set it back, or point log_dir elsewhere to start afresh")
     have = ckpt['config']
     diff = [k for k in have if config['init_from'] == 'scratch' and config[k] != have[k]]
     if diff:
@@ -306,14 +308,15 @@ def resumed_model_config(ckpt, path, config):
 
 def restore(state, ckpt, path, max_bad_steps):
     """Load a checkpoint into state (a TrainState): weights, optimizer, loss scale, data
-    position, RNG states, step, evaluated and bad_steps. The optimizer keeps the config's weight_decay
-    and this device's fused/foreach."""
+    position, RNG states, step, evaluated and bad_steps. The optimizer keeps the config's weight_decay,
+    muon_lr and muon_momentum, and this device's fused/foreach."""
     optimizer = state.optimizer
     if ckpt.get('scaler'):  # a float16 run's loss scale (empty in other precisions)
         state.scaler.load_state_dict(ckpt['scaler'])
-    # load_state_dict replaces the param groups whole: keep the config's weight_decay, and this
-    # device's kernel choices (fused, foreach: a CPU checkpoint resumed on a GPU, or the reverse)
-    kept = [{k: g[k] for k in ('weight_decay', 'fused', 'foreach') if k in g} for g in optimizer.param_groups]
+    # load_state_dict replaces the param groups whole: keep the config's weight_decay (and Muon's lr
+    # and momentum), and this device's kernel choices (fused, foreach: a CPU checkpoint on a GPU)
+    kept = [{k: g[k] for k in ('weight_decay', 'fused', 'foreach', 'lr_scale', 'momentum') if k in g}
+            for g in optimizer.param_groups]
     parallel.load_full_state(state.raw_model, optimizer, ckpt['model'], ckpt['optimizer'])  # FSDP: each rank its shards
     for group, keep in zip(optimizer.param_groups, kept):
         group.update(keep)
@@ -370,10 +373,10 @@ def lock_log_dir(log_dir):
 def prepare_log_dir(log_dir, start, evaluated):
     """Rank 0, before the first step: remove a checkpoint write that a crash cut short, and the log
     lines a crashed run wrote after its checkpoint (all of them for a fresh run). No step is logged
-    twice; the val/hella lines and samples of the checkpoint's own step stay when it has them."""
+    twice; the val/bpb/hella lines and samples of the checkpoint's own step stay when it has them."""
     os.makedirs(log_dir, exist_ok=True)
     for tmp in glob.glob(os.path.join(glob.escape(log_dir), 'model_*.pt.tmp*')):
         os.remove(tmp)
     trim_lines(os.path.join(log_dir, 'log.txt'), 0,
-               lambda s, words: s < start or (s == start and evaluated and words[1:2] in (['val'], ['hella'])))
+               lambda s, words: s < start or (s == start and evaluated and words[1:2] in (['val'], ['bpb'], ['hella'])))
     trim_lines(os.path.join(log_dir, 'samples.txt'), 1, lambda s, words: s < start or (s == start and evaluated))

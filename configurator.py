@@ -21,6 +21,7 @@ import torch
 
 from errors import UserError
 from hardware import PRECISIONS
+from schedule import DECAY_SHAPES, SCHEDULES
 
 # nanoGPT's and build-nanogpt's names for this trainer's constants
 NANOGPT_NAMES = {'learning_rate': 'max_lr', 'max_iters': 'max_steps', 'lr_decay_iters': 'max_steps',
@@ -112,6 +113,15 @@ def check_config(c):
         raise UserError("wandb_log=True needs the wandb package: pip install -r requirements-wandb.txt")
     if c['parallel'] not in ('ddp', 'fsdp'):
         raise UserError(f"config key 'parallel' must be 'ddp' or 'fsdp', got {c['parallel']!r}")
+    for key, allowed in (('lr_schedule', SCHEDULES), ('decay_shape', DECAY_SHAPES), ('optimizer', ('adamw', 'muon'))):
+        if c[key] not in allowed:
+            raise UserError(f"config key {key!r} must be {' or '.join(map(repr, allowed))}, got {c[key]!r}")
+    if not 0 < c['decay_frac'] <= 1 or c['muon_lr'] <= 0 or not 0 <= c['muon_momentum'] < 1:
+        raise UserError(f"decay_frac must be in (0, 1], muon_lr > 0 and muon_momentum in [0, 1), got "
+                        f"{c['decay_frac']}, {c['muon_lr']} and {c['muon_momentum']}")
+    if c['optimizer'] == 'muon' and c['parallel'] == 'fsdp':  # FSDP's ranks hold shards of each matrix
+        raise UserError("optimizer='muon' orthogonalizes whole weight matrices, and parallel='fsdp' gives each rank "
+                        "shards of them: use parallel='ddp' with Muon, or optimizer='adamw' with FSDP")
     if c['resume'] not in ('auto', 'never'):
         raise UserError(f"config key 'resume' must be 'auto' or 'never', got {c['resume']!r}")
     if c['n_embd'] % c['n_head']:

@@ -226,15 +226,28 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
         return logits, loss
 
-    def configure_optimizers(self, weight_decay, learning_rate, device_type):
-        # decay the matrices (matmul weights, embeddings); not biases and LayerNorm gains (dim < 2)
+    def configure_optimizers(self, weight_decay, learning_rate, device_type, optimizer='adamw', muon_lr=None,
+                             muon_momentum=0.95):
+        """AdamW (betas 0.9, 0.95) over every parameter, decaying the matrices (matmul weights,
+        embeddings) but not biases and LayerNorm gains (dim < 2). optimizer="muon": the blocks'
+        matmul weights go to Muon instead (peak lr muon_lr; its groups carry lr_scale = muon_lr /
+        learning_rate, by which the trainer scales its scheduled lr), the rest stays with AdamW."""
         params = [p for p in self.parameters() if p.requires_grad]  # parameters() lists tied ones once
+        matrices = {id(p) for block in self.transformer.h for p in block.parameters() if p.dim() == 2}
+        to_muon = matrices if optimizer == 'muon' else set()
+        muon, rest = [p for p in params if id(p) in to_muon], [p for p in params if id(p) not in to_muon]
         optim_groups = [
-            {'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
-            {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0},
+            {'params': [p for p in rest if p.dim() >= 2], 'weight_decay': weight_decay},
+            {'params': [p for p in rest if p.dim() < 2], 'weight_decay': 0.0},
         ]
         use_fused = device_type == 'cuda' and 'fused' in inspect.signature(torch.optim.AdamW).parameters
-        return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=use_fused)
+        adamw = dict(lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=use_fused)
+        if optimizer != 'muon':
+            return torch.optim.AdamW(optim_groups, **adamw)
+        from muon import MuonAdamW
+        muon_groups = [{'params': muon, 'weight_decay': weight_decay, 'lr_scale': muon_lr / learning_rate}]
+        return MuonAdamW(muon_groups, optim_groups, dict(lr=muon_lr, momentum=muon_momentum, nesterov=True,
+                                                         adjust_lr_fn='match_rms_adamw'), adamw)
 
     # -------------------------------------------------------------------------
     # OpenAI / HF weights, into this model (to_hf_state_dict, below, is the way out)

@@ -1,10 +1,11 @@
 """
-Plot training runs from their log.txt: loss (train raw and smoothed, val) and HellaSwag acc_norm.
+Plot training runs from their log.txt: loss (train raw and smoothed, val), val bits per byte and
+HellaSwag acc_norm; a panel appears when some log has its lines.
 
     python plot.py LOG_DIR [LOG_DIR ...] --out runs.png
 
 Reads this trainer's log_dir/log.txt and build-nanogpt's (the same "{step} {kind} {value}" lines:
-train, val, hella; skip and overflow lines are ignored). Several folders are overlaid, each
+train, val, bpb, hella; skip and overflow lines are ignored). Several folders are overlaid, each
 labelled by its folder name. Reference lines: OpenAI's GPT-2 124M (FineWeb-Edu val loss 3.2924,
 HellaSwag acc_norm 0.2955 with this project's scorer, docs/hellaswag.md) and GPT-3 124M (HellaSwag
 0.337, from the GPT-3 paper). Headless: writes the PNG, needs no display.
@@ -17,7 +18,7 @@ import sys
 from atomic import atomic_write
 from errors import UserError
 
-KINDS = ('train', 'val', 'hella', 'epoch')  # epoch: '{step} epoch {n}' where epoch n begins
+KINDS = ('train', 'val', 'bpb', 'hella', 'epoch')  # epoch: '{step} epoch {n}' where epoch n begins
 IGNORED = ('skip', 'overflow')  # the trainer's rare event lines: not curves
 REFERENCE = {'val': [(3.2924, 'GPT-2 124M (OpenAI) val loss')],
              # 0.2955: build-nanogpt's hellaswag.py on the 10,042 val examples (its notebook draws 0.2945)
@@ -42,7 +43,7 @@ def read_log(log_dir):
                     raise ValueError
             except (ValueError, IndexError):
                 if line.strip():
-                    print(f"warning: {path}:{lineno}: not a '<step> train|val|hella <value>' line, skipped: "
+                    print(f"warning: {path}:{lineno}: not a '<step> train|val|bpb|hella <value>' line, skipped: "
                           f"{line.strip()[:80]!r}", file=sys.stderr)
                 continue
             if kind in KINDS:
@@ -63,39 +64,42 @@ def smooth(values, alpha=0.9):
 
 
 def plot(runs, out):
-    """runs: [(label, curves)]; writes out (PNG) with the loss and HellaSwag panels side by side."""
+    """runs: [(label, curves)]; writes out (PNG): the loss panel, then val bits per byte and
+    HellaSwag side by side when some run logged them."""
     import matplotlib
     matplotlib.use('Agg')  # no display needed
     import matplotlib.pyplot as plt
-    fig, (ax_loss, ax_hella) = plt.subplots(1, 2, figsize=(14, 5))
+    kinds = ['loss'] + [kind for kind in ('bpb', 'hella') if any(c[kind][0] for _, c in runs)]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(7 * len(kinds), 5), squeeze=False)
+    ax = dict(zip(kinds, axes[0]))
     for i, (label, c) in enumerate(runs):
         color = f"C{i}"
         steps, train = c['train']
         if train:
-            ax_loss.plot(steps, train, color=color, alpha=0.2, linewidth=0.8)
-            ax_loss.plot(steps, smooth(train), color=color, label=f"{label} train (smoothed)")
+            ax['loss'].plot(steps, train, color=color, alpha=0.2, linewidth=0.8)
+            ax['loss'].plot(steps, smooth(train), color=color, label=f"{label} train (smoothed)")
         if c['val'][0]:
-            ax_loss.plot(*c['val'], color=color, linestyle='--', marker='.', label=f"{label} val")
-        if c['hella'][0]:
-            ax_hella.plot(*c['hella'], color=color, marker='.', label=label)
+            ax['loss'].plot(*c['val'], color=color, linestyle='--', marker='.', label=f"{label} val")
+        for kind in kinds[1:]:
+            if c[kind][0]:
+                ax[kind].plot(*c[kind], color=color, marker='.', label=label)
         for j, step in enumerate(c['epoch'][0]):  # where the train data starts again, in a new order
-            ax_loss.axvline(step, color=color, linestyle='-.', linewidth=0.8, label=f"{label} new epoch" if j == 0 else None)
-    for ax, kind in ((ax_loss, 'val'), (ax_hella, 'hella')):
-        for (y, text), color in zip(REFERENCE[kind], ('red', 'green')):
-            ax.axhline(y, color=color, linestyle=':', linewidth=1, label=f"{text}: {y}")
-    if not any(c['hella'][0] for _, c in runs):
-        ax_hella.text(0.5, 0.5, "no HellaSwag evals in these logs", ha='center', transform=ax_hella.transAxes)
-    ax_loss.set(xlabel='step', ylabel='loss', title='loss')
-    ax_hella.set(xlabel='step', ylabel='acc_norm', title='HellaSwag acc_norm')
-    ax_loss.set_ylim(top=min(ax_loss.get_ylim()[1], 12))  # a random init's ~11 would flatten the rest
-    for ax in (ax_loss, ax_hella):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            ax['loss'].axvline(step, color=color, linestyle='-.', linewidth=0.8, label=f"{label} new epoch" if j == 0 else None)
+    for kind, refs in (('loss', REFERENCE['val']), ('hella', REFERENCE['hella'])):
+        for (y, text), color in zip(refs if kind in ax else [], ('red', 'green')):
+            ax[kind].axhline(y, color=color, linestyle=':', linewidth=1, label=f"{text}: {y}")
+    titles = {'loss': ('loss', 'loss'), 'bpb': ('bits per byte', 'val bits per byte'),
+              'hella': ('acc_norm', 'HellaSwag acc_norm')}
+    for kind, a in ax.items():
+        a.set(xlabel='step', ylabel=titles[kind][0], title=titles[kind][1])
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    ax['loss'].set_ylim(top=min(ax['loss'].get_ylim()[1], 12))  # a random init's ~11 would flatten the rest
     fig.tight_layout()
     atomic_write(out, lambda f: fig.savefig(f, format='png', dpi=100))  # a whole picture or none
-    panels = [(ax.get_title(), [line.get_label() for line in ax.get_lines()]) for ax in (ax_loss, ax_hella)]
+    panels = [(a.get_title(), [line.get_label() for line in a.get_lines()]) for a in ax.values()]
     plt.close(fig)
-    return panels  # [(title, curve labels)] of the two panels
+    return panels  # [(title, curve labels)] of the panels, left to right
 
 
 def main(argv=None):
@@ -110,7 +114,7 @@ def main(argv=None):
         except (UserError, OSError) as e:
             sys.exit(f"error: {e}")
         if not any(values for _, values in curves.values()):
-            sys.exit(f"error: {os.path.join(log_dir, 'log.txt')}: no train, val or hella lines")
+            sys.exit(f"error: {os.path.join(log_dir, 'log.txt')}: no train, val, bpb or hella lines")
         runs.append((os.path.normpath(log_dir), curves))
     names = [os.path.basename(path) for path, _ in runs]
     if len(set(names)) == len(names):  # the folder names, unless two runs share one (a/log, b/log)

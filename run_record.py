@@ -106,7 +106,7 @@ def wandb_log(step, kind, value):
 
 
 def log(log_dir, line):
-    """Rank 0: one line of log_dir/log.txt ("{step} train|val|hella|skip|overflow|epoch {value}"), and to W&B."""
+    """Rank 0: one line of log_dir/log.txt ("{step} train|val|bpb|hella|skip|overflow|epoch {value}"), and to W&B."""
     with open(os.path.join(log_dir, 'log.txt'), 'a') as f:
         f.write(line + '\n')
     step, kind, value = line.split()

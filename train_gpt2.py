@@ -33,7 +33,9 @@ from model import GPT, GPTConfig, flops_per_token
 from parallel import (agree, clip_grad_norm, end_process_group, rank as process_rank, require_backward_grad_sync,
                       restart_store, shard_fsdp, state_mib, whole_models, world_size, wrap_ddp)
 from sample import training_samples
+from schedule import get_lr
 from shards import ShuffledDocuments, find_shards, load_val_tokens, open_shard
+from tokenizer import utf8_bytes
 
 # -----------------------------------------------------------------------------
 # config: the defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu (build-nanogpt's run)
@@ -52,13 +54,19 @@ vocab_size = 50304  # GPT-2's vocabulary padded up to a multiple of 128, for fas
 total_batch_size = 524288  # 2**19, ~0.5M tokens, as GPT-3 124M
 B = 64  # micro-batch: sequences per forward/backward, per process
 T = 1024  # sequence length
-# optimizer: AdamW, linear warmup then cosine decay to min_lr at max_steps
+# optimizer: AdamW, linear warmup then cosine decay to min_lr at max_steps (other recipes: docs/recipes.md)
 max_lr = 6e-4
 min_lr = 6e-5
 warmup_steps = 715  # 375M tokens, as GPT-3
 max_steps = 19073  # 10B tokens / 2**19 per step: a little over one epoch of sample-10BT (see the start)
 weight_decay = 0.1
 grad_clip = 1.0  # clip the global gradient norm to this; 0 disables
+lr_schedule = "cosine"  # "cosine", or "wsd": warmup, constant max_lr, then decay_shape to min_lr (schedule.py)
+decay_frac = 0.2  # wsd: the last 20% of max_steps decay
+decay_shape = "linear"  # wsd: "linear" or "1-sqrt"
+optimizer = "adamw"  # "adamw", or "muon": Muon for the blocks' weight matrices, AdamW for the rest (muon.py)
+muon_lr = 4.5e-3  # muon: its peak lr ("match_rms_adamw" scale), scheduled as max_lr is
+muon_momentum = 0.95  # muon: Nesterov momentum
 # evaluation, samples, checkpoints (every N steps and at the last step; 0 turns it off)
 eval_interval = 250
 val_tokens = 10485760  # first 10M tokens of the val split, whatever the number of processes
@@ -206,15 +214,17 @@ def evaluate(model, tokens, B, T, device, dtype):
     return loss_sum.item() / (n_seq * T)
 
 
-def evals_and_samples(state, val_data, hella_data, do_eval, do_sample):
-    """This step's val loss (returned, or None) and HellaSwag, all ranks together, and rank 0's
-    samples; rank 0 prints and logs them. Under FSDP they run on a gathered copy of the model, which
+def evals_and_samples(state, val_data, val_bytes, hella_data, do_eval, do_sample):
+    """This step's val loss (returned, or None), its bits per byte and HellaSwag, all ranks together,
+    and rank 0's samples; rank 0 prints and logs them. Under FSDP they run on a gathered copy of the model, which
     is freed when this function returns."""
     model, raw_model = whole_models(state.model, state.raw_model, state.optimizer, device)
     step, val_loss = state.step, evaluate(model, val_data, B, T, device, dtype) if do_eval else None
-    if do_eval and rank == 0:
-        print(f"step {step:5d} | val loss {val_loss:.4f}")
+    if do_eval and rank == 0:  # bits per byte: the summed loss in bits over the bytes of the val targets' text
+        bpb = val_loss * (len(val_data) - 1) / math.log(2) / max(1, val_bytes)
+        print(f"step {step:5d} | val loss {val_loss:.4f} | val bpb {bpb:.4f}")
         run_record.log(log_dir, f"{step} val {val_loss:.4f}")
+        run_record.log(log_dir, f"{step} bpb {bpb:.4f}")
     if do_eval and hella_data is not None:  # the plain module: works the same with compile and DDP
         counts = torch.tensor(evaluate_hellaswag(raw_model, hella_data, device, dtype, rank, world), device=device)
         if world > 1:
@@ -230,15 +240,6 @@ def evals_and_samples(state, val_data, hella_data, do_eval, do_sample):
 
 # -----------------------------------------------------------------------------
 # training: one optimizer step, gradient accumulation over micro-batches
-
-def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
-    if step < warmup_steps:  # linear warmup, never exactly 0
-        return max_lr * (step + 1) / warmup_steps
-    if step >= max_steps:
-        return min_lr
-    ratio = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
-
 
 def train_step(state, grad_accum_steps, lr, grad_clip, device, dtype):
     """One optimizer step over grad_accum_steps micro-batches: (mean loss, grad norm, ok, overflow).
@@ -268,7 +269,7 @@ def train_step(state, grad_accum_steps, lr, grad_clip, device, dtype):
     scale = scaler.get_scale() if finite_loss and not finite_norm else 0  # read only then: on a GPU it waits
     if ok:
         for group in optimizer.param_groups:
-            group['lr'] = lr
+            group['lr'] = lr * group.get('lr_scale', 1.0)  # muon: its groups' lr is muon_lr / max_lr times lr
         optimizer.step()
     scaler.update()  # float16: halve the scale after an inf/nan gradient, double it after 2000 clean steps
     # float16 overflow: inf/nan gradients of a finite loss made the scaler lower its scale; at <= 1, a bad step
@@ -324,12 +325,13 @@ def run():
     loader = DataLoaderLite(B, T, rank, world, 'train', data_root, grad_accum_steps, raw_model.config.vocab_size,
                             shuffle, seed)
     val_data = load_val_tokens(data_root, val_tokens // T * T, raw_model.config.vocab_size) if eval_interval > 0 else None
+    val_bytes = utf8_bytes(val_data[1:]) if eval_interval > 0 else 0  # what the val targets decode to: for bpb
     raw_model.to(device)  # not wrapped: state_dict without prefixes; sharded in place under FSDP
     if parallel == 'fsdp' and dist.is_initialized():  # torchrun; one process is one shard (gpu_check.py)
         shard_fsdp(raw_model)  # before the optimizer, which must see the shards
-    optimizer = raw_model.configure_optimizers(weight_decay, max_lr, torch.device(device).type)
+    opt = raw_model.configure_optimizers(weight_decay, max_lr, torch.device(device).type, optimizer, muon_lr, muon_momentum)
     scaler = torch.amp.GradScaler(torch.device(device).type, enabled=dtype == 'float16')  # a no-op unless float16
-    state = TrainState(raw_model, raw_model, optimizer, scaler, loader)
+    state = TrainState(raw_model, raw_model, opt, scaler, loader)
     if ckpt is not None:
         checkpoint.restore(state, ckpt, ckpt_path, max_bad_steps)
         del ckpt  # the memory map
@@ -354,7 +356,7 @@ def run():
         if wandb_log:
             run_record.wandb_start(config, log_dir)
     run_record.write(log_dir, config, state.step, ckpt_path, device)  # log_dir/run.json
-    return train(state, val_data, hella_data, grad_accum_steps)
+    return train(state, val_data, val_bytes, hella_data, grad_accum_steps)
 
 
 def build_model(ckpt, ckpt_path):
@@ -375,7 +377,7 @@ def build_model(ckpt, ckpt_path):
     return model
 
 
-def train(state, val_data, hella_data, grad_accum_steps):
+def train(state, val_data, val_bytes, hella_data, grad_accum_steps):
     """The loop; returns the exit code. state.step = updates done: the model as it is is evaluated,
     sampled and checkpointed when due, then (unless it is the last step) updated: step -> step + 1."""
     master, start = rank == 0, state.step
@@ -401,7 +403,7 @@ def train(state, val_data, hella_data, grad_accum_steps):
         do_eval = eval_interval > 0 and (step % eval_interval == 0 or last_step or do_checkpoint)
         do_sample = sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step)
         if not state.evaluated and (do_eval or do_sample or do_checkpoint):
-            val_loss = evals_and_samples(state, val_data, hella_data, do_eval, do_sample) if do_eval or do_sample else None
+            val_loss = evals_and_samples(state, val_data, val_bytes, hella_data, do_eval, do_sample) if do_eval or do_sample else None
             state.evaluated = True
             if do_checkpoint:
                 checkpoint.save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints)
@@ -414,7 +416,7 @@ def train(state, val_data, hella_data, grad_accum_steps):
             print(f"step {step:5d} | epoch {state.loader.epoch} begins ({'a new order' if state.loader.shuffle else 'in order'})")
             run_record.log(log_dir, f"{step} epoch {state.loader.epoch}")
         t0 = time.time()
-        lr = get_lr(step, max_lr, min_lr, warmup_steps, max_steps)
+        lr = get_lr(step, max_lr, min_lr, warmup_steps, max_steps, lr_schedule, decay_frac, decay_shape)
         loss, norm, ok, overflow = train_step(state, grad_accum_steps, lr, grad_clip, device, dtype)
         loss = loss.item()  # waits for the step to finish: dt is its real time
         dt = time.time() - t0

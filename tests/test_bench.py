@@ -23,3 +23,33 @@ SEEN = {
 @pytest.mark.parametrize("name,kind", SEEN.items())
 def test_kernel_kinds(name, kind):
     assert kernel_kind(name) == kind
+
+
+def test_bench_recipe_prints_each_recipe_against_the_first(tmp_path):
+    """Issue 22: `bench.py --bench_recipe=True` trains once per recipe (here two, made tiny by the
+    extra arguments, which every run takes) and prints the final val loss and bpb, ms per step and
+    the step at which each reached the first recipe's final val loss."""
+    import re
+    import subprocess
+    import sys
+    from conftest import ROOT, TINY, random_shards
+    data = random_shards(tmp_path / "data", 0, 600, [5000], vocab=50257)
+    tiny = [a for a in TINY if not a.startswith(("--warmup_steps", "--max_lr", "--min_lr"))]
+    r = subprocess.run([sys.executable, "bench.py", "--bench_recipe=True", "--bench_recipes=adamw+cosine,muon+wsd",
+                        f"--data_root={data}", *tiny, "--T=32", "--B=2", "--total_batch_size=64", "--max_steps=20",
+                        "--val_tokens=256", "--warmup_steps=2", f"--bench_recipe_dir={tmp_path / 'logs'}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "cpu: " in r.stdout and "muon+wsd: --optimizer=muon --lr_schedule=wsd" in r.stdout
+    rows = {m.group(1): m.groups()[1:] for m in re.finditer(
+        r"^(adamw\+cosine|muon\+wsd) +([\d.]+) +([\d.]+) +(\d+) +(\d+ of 20 = [\d.]+x|not reached)$", r.stdout, re.M)}
+    assert rows.keys() == {"adamw+cosine", "muon+wsd"}, r.stdout
+    assert rows["adamw+cosine"][3] == "20 of 20 = 1.00x"  # the first recipe reaches its own final loss at the end
+    assert float(rows["muon+wsd"][1]) > 0 and "steps to val " + rows["adamw+cosine"][0] in r.stdout
+    for name in ("adamw+cosine", "muon+wsd"):  # kept for plot.py, as the last line says
+        assert (tmp_path / "logs" / name / "log.txt").exists() and str(tmp_path / "logs" / name) in r.stdout
+    for bad_args, error in (("--bench_recipes=sgd", "bench_recipes='sgd': expected a comma-separated list of adamw+cosine"),
+                            (f"--bench_recipe_dir={tmp_path / 'logs'}", f"{tmp_path / 'logs' / 'adamw+cosine'} exists")):
+        bad = subprocess.run([sys.executable, "bench.py", "--bench_recipe=True", bad_args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 1 and error in bad.stderr, bad.stderr

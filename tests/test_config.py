@@ -6,7 +6,8 @@ import pytest
 
 import train_gpt2
 from conftest import ROOT, run_script
-from train_gpt2 import UserError, get_lr, parse_config
+from schedule import get_lr
+from train_gpt2 import UserError, parse_config
 
 DEFAULTS = dict(train_gpt2.DEFAULTS)
 

@@ -11,7 +11,7 @@ import train_gpt2
 from conftest import ROOT
 
 PROJECT = sorted(p for p in glob.glob(os.path.join(ROOT, "*.py")))  # the project's own files (tests aside)
-IMPORTED = ("setup_device", "DataLoaderLite", "evaluate", "get_lr", "train_step")  # by bench, gpu_check, tests
+IMPORTED = ("setup_device", "DataLoaderLite", "evaluate", "train_step")  # by bench, gpu_check, tests
 
 
 def functions(path):

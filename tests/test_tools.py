@@ -130,7 +130,7 @@ def test_wandb_offline_logs_what_log_txt_has(tmp_path):
     for record in wandb_records(path):
         if record.WhichOneof("record_type") == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-            for kind in ("train", "val", "hella", "skip", "overflow"):
+            for kind in ("train", "val", "bpb", "hella", "skip", "overflow"):
                 if kind in items:
                     logged.setdefault(kind, {})[items["_step"]] = items[kind]
         elif record.WhichOneof("record_type") == "run":
@@ -159,9 +159,22 @@ def test_plot_one_run(run, tmp_path):
     out = tmp_path / "one.png"
     panels = plot.plot([("log", plot.read_log(str(log_dir)))], str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-    (loss_title, loss_lines), (hella_title, hella_lines) = panels
-    assert loss_title == "loss" and {"log train (smoothed)", "log val", "GPT-2 124M (OpenAI) val loss: 3.2924"} <= set(loss_lines)
-    assert hella_title == "HellaSwag acc_norm" and {"GPT-2 124M (OpenAI): 0.2955", "GPT-3 124M (paper): 0.337"} <= set(hella_lines)
+    assert [title for title, _ in panels] == ["loss", "val bits per byte"]  # a run without HellaSwag
+    (_, loss_lines), (_, bpb_lines) = panels
+    assert {"log train (smoothed)", "log val", "GPT-2 124M (OpenAI) val loss: 3.2924"} <= set(loss_lines)
+    assert bpb_lines == ["log"]
+
+
+def test_plot_leaves_out_panels_with_nothing_to_show(tmp_path):
+    """Issue 22: no HellaSwag lines in any log (the quick start), no HellaSwag panel; no bpb lines
+    either (build-nanogpt's logs), the loss panel alone."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "log.txt").write_text("0 val 10.9863\n0 bpb 4.1\n0 train 10.955424\n1 train 10.412341\n")
+    panels = plot.plot([("a", plot.read_log(str(tmp_path / "a")))], str(tmp_path / "a.png"))
+    assert [title for title, _ in panels] == ["loss", "val bits per byte"]
+    (tmp_path / "a" / "log.txt").write_text("0 val 10.9863\n0 train 10.955424\n1 train 10.412341\n")
+    panels = plot.plot([("a", plot.read_log(str(tmp_path / "a")))], str(tmp_path / "b.png"))
+    assert [title for title, _ in panels] == ["loss"] and (tmp_path / "b.png").stat().st_size > 10_000
 
 
 def test_plot_build_nanogpt_log_and_two_runs(run, tmp_path, capsys):
@@ -176,14 +189,15 @@ def test_plot_build_nanogpt_log_and_two_runs(run, tmp_path, capsys):
     assert "log.txt:5" in capsys.readouterr().err
     assert curves["train"] == ([0, 1], [10.955424, 10.412341]) and curves["hella"] == ([0, 250], [0.2468, 0.2553])
     alone = tmp_path / "alone.png"
-    (_, loss_lines), (_, hella_lines) = plot.plot([("nanogpt_run", curves)], str(alone))
+    (_, loss_lines), (_, hella_lines) = plot.plot([("nanogpt_run", curves)], str(alone))  # no bpb: no panel
     assert alone.stat().st_size > 10_000 and "nanogpt_run val" in loss_lines and "nanogpt_run" in hella_lines
+    assert {"GPT-2 124M (OpenAI): 0.2955", "GPT-3 124M (paper): 0.337"} <= set(hella_lines)
     out = tmp_path / "two.png"
     r = tool("plot.py", str(ours), str(theirs), "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert out.stat().st_size > 10_000 and "wrote" in r.stdout and "log, nanogpt_run" in r.stdout
-    (_, loss_lines), (_, hella_lines) = plot.plot([("log", plot.read_log(str(ours))), ("nanogpt_run", curves)],
-                                                  str(tmp_path / "again.png"))
+    (_, loss_lines), _, (_, hella_lines) = plot.plot([("log", plot.read_log(str(ours))), ("nanogpt_run", curves)],
+                                                     str(tmp_path / "again.png"))
     assert {"log val", "nanogpt_run val", "log train (smoothed)", "nanogpt_run train (smoothed)"} <= set(loss_lines)
     assert "nanogpt_run" in hella_lines
 
@@ -208,7 +222,7 @@ def test_plot_errors(tmp_path):
     assert r.returncode == 1 and "no log.txt in this folder" in r.stderr
     (tmp_path / "log.txt").write_text("garbage\n")
     r = tool("plot.py", str(tmp_path), "--out", str(tmp_path / "x.png"))
-    assert r.returncode == 1 and "no train, val or hella lines" in r.stderr
+    assert r.returncode == 1 and "no train, val, bpb or hella lines" in r.stderr
     assert not (tmp_path / "x.png").exists()
     (tmp_path / "log.txt").write_text("0 train 10.9\n")
     r = tool("plot.py", str(tmp_path), "--out", str(tmp_path / "no" / "such" / "x.png"))

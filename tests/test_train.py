@@ -35,7 +35,7 @@ def test_end_to_end_tiny_run(tmp_path, enc):
     assert re.search(r"step     3 \| loss \d+\.\d{6} \| lr \d\.\d{4}e-\d\d \| norm \d+\.\d{4} \| dt \d+\.\d\dms \| tok/sec \d+", r.stdout)
 
     lines = (log_dir / "log.txt").read_text().splitlines()
-    assert all(re.fullmatch(r"\d+ train \d+\.\d{6}|\d+ val \d+\.\d{4}|\d+ hella \d\.\d{4}|\d+ epoch \d+", line)
+    assert all(re.fullmatch(r"\d+ train \d+\.\d{6}|\d+ (val|bpb) \d+\.\d{4}|\d+ hella \d\.\d{4}|\d+ epoch \d+", line)
                for line in lines), lines  # epoch: where the train data starts again (shuffle, docs/data.md)
     log = read_log(log_dir)
     # every eval_interval, at the last step, and at each checkpoint so that it holds its own val loss

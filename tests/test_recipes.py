@@ -1,0 +1,243 @@
+"""Issue 22: the WSD schedule, Muon (torch.optim.Muon on the blocks' matrices, AdamW on the rest),
+val bits per byte, and the default recipe left exactly as it was."""
+import math
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, TINY, random_shards, read_log, run_script
+from model import GPT, GPTConfig
+from schedule import get_lr
+from test_resume import start, wait_for_step
+
+STEPS = 40
+COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=128", f"--max_steps={STEPS}",
+          "--eval_interval=20", "--val_tokens=256", "--sample_interval=0", "--checkpoint_interval=20",
+          "--hellaswag=False", "--keep_checkpoints=0", "--max_lr=1e-3", "--min_lr=1e-4"]
+MUON = ["--optimizer=muon", "--muon_lr=3e-3", "--lr_schedule=wsd"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return random_shards(tmp_path_factory.mktemp("data"), 3, 600, [128 * 9 + 30, 128 * 9 + 5])
+
+
+def args(data, log_dir, *extra):
+    return [*COMMON, f"--data_root={data}", f"--log_dir={log_dir}", *extra]
+
+
+def ckpt(log_dir, step=STEPS):
+    return torch.load(os.path.join(log_dir, f"model_{step:05d}.pt"), map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def muon1(data, tmp_path_factory):
+    """An uninterrupted 1-process Muon + WSD run."""
+    log_dir = tmp_path_factory.mktemp("muon1")
+    r = run_script(args(data, log_dir, *MUON))
+    assert r.returncode == 0, r.stderr
+    return log_dir
+
+
+# --- the schedule ---------------------------------------------------------------------------------
+
+def test_wsd_learning_rate_at_its_boundaries():
+    kw = dict(max_lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=100, schedule="wsd", decay_frac=0.2)
+    lr = lambda step, **more: get_lr(step, **{**kw, **more})
+    assert lr(0) == pytest.approx(1e-4) and lr(9) == pytest.approx(1e-3)  # warmup ends at max_lr
+    assert lr(10) == lr(50) == lr(80) == 1e-3  # stable until the decay starts at 100 - 20
+    assert lr(81) == pytest.approx(1e-3 - 0.05 * 9e-4) and lr(90) == pytest.approx(5.5e-4)  # linear
+    assert lr(99) == pytest.approx(1e-4 + 0.05 * 9e-4) and lr(100) == lr(150) == 1e-4  # min_lr at max_steps
+    assert lr(84, decay_shape="1-sqrt") == pytest.approx(1e-3 - math.sqrt(0.2) * 9e-4)  # fast, then gentle
+    assert lr(100, decay_shape="1-sqrt") == 1e-4
+    # raising max_steps before the decay began: the same step is still stable, the decay moves on
+    assert lr(75) == lr(75, max_steps=200) == lr(159, max_steps=200) == 1e-3 and lr(161, max_steps=200) < 1e-3
+    # the default schedule is build-nanogpt's cosine, unchanged
+    assert get_lr(55, 1e-3, 1e-4, 10, 100) == pytest.approx(1e-4 + 0.5 * 9e-4)
+
+
+def test_wsd_resumes_in_its_stable_phase_with_a_raised_max_steps(muon1, data, tmp_path):
+    """A WSD run's checkpoint from its stable phase (step 20 of 40: the decay starts at 32), resumed
+    with max_steps=80: it trains on at max_lr (Muon's groups at muon_lr) and decays from step 64."""
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    (resumed / "model_00020.pt").write_bytes((muon1 / "model_00020.pt").read_bytes())
+    r = run_script(args(data, resumed, *MUON, "--max_steps=80"))
+    assert r.returncode == 0, r.stderr
+    assert "resuming with changed settings: " in r.stdout and "max_steps 40 -> 80" in r.stdout
+    lrs = {int(w[1]): float(w[w.index("lr") + 1]) for w in map(str.split, r.stdout.splitlines())
+           if w[:1] == ["step"] and "lr" in w}
+    assert min(lrs) == 20 and all(lrs[s] == 1e-3 for s in range(20, 65)) and lrs[65] < 1e-3 and lrs[79] < 2e-4
+    assert read_log(resumed)["train"][20] == read_log(muon1)["train"][20]  # the same state at the start
+
+
+def test_configured_schedule_and_optimizer_are_checked():
+    r = run_script(["--device=cpu", "--lr_schedule=linear"])
+    assert r.returncode == 1 and "config key 'lr_schedule' must be 'cosine' or 'wsd', got 'linear'" in r.stderr
+    r = run_script(["--device=cpu", "--decay_frac=0"])
+    assert r.returncode == 1 and "decay_frac must be in (0, 1]" in r.stderr
+
+
+# --- Muon -----------------------------------------------------------------------------------------
+
+def test_muon_parameter_groups():
+    """Muon gets exactly the blocks' 2-D weights (attention and MLP); AdamW the embeddings, the tied
+    output layer (the same tensor as wte), biases and layer norms; each parameter once."""
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16))
+    opt = model.configure_optimizers(0.1, 1e-3, "cpu", "muon", 3e-3, 0.9)
+    names = {id(p): n for n, p in model.named_parameters()}  # named_parameters lists the tied weight once
+    muon = [names[id(p)] for g in opt.muon.param_groups for p in g["params"]]
+    adamw = [names[id(p)] for g in opt.adamw.param_groups for p in g["params"]]
+    expected_muon = {f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj",
+                                                                                  "mlp.c_fc", "mlp.c_proj")}
+    assert set(muon) == expected_muon and len(muon) == len(expected_muon)
+    assert sorted(muon + adamw) == sorted(names.values())  # nothing left out, nothing twice
+    assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight"} <= set(adamw)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert [g["params"] for g in opt.param_groups] == [g["params"] for g in opt.adamw.param_groups + opt.muon.param_groups]
+    (g,) = opt.muon.param_groups
+    assert g["lr_scale"] == pytest.approx(3.0) and g["momentum"] == 0.9 and g["adjust_lr_fn"] == "match_rms_adamw"
+    assert [g["weight_decay"] for g in opt.adamw.param_groups] == [0.1, 0.0] and g["weight_decay"] == 0.1
+    assert isinstance(model.configure_optimizers(0.1, 1e-3, "cpu"), torch.optim.AdamW)  # the default
+
+
+def test_muon_killed_and_resumed_is_bit_identical(muon1, data, tmp_path):
+    """kill -9 after the checkpoint at step 20, the same command again: the same log, weights,
+    AdamW moments and Muon momentum buffers, bit for bit."""
+    log_dir = tmp_path / "log"
+    p = start(args(data, log_dir, *MUON))
+    wait_for_step(log_dir, 22, p)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    r = run_script(args(data, log_dir, *MUON))
+    assert r.returncode == 0, r.stderr
+    assert "resuming from" in r.stdout
+    assert (log_dir / "log.txt").read_text() == (muon1 / "log.txt").read_text()
+    a, b = ckpt(muon1), ckpt(log_dir)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and sum("momentum_buffer" in s for s in sa.values()) == 8
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert [g.get("lr_scale") for g in a["optimizer"]["param_groups"]] == [None, None, 3.0]
+
+
+def test_muon_on_two_processes_logs_what_one_does(data, tmp_path):
+    """DDP, 2 processes: each rank runs Muon on the whole all-reduced gradients; the same losses as
+    1 process (to 1e-5). Its checkpoint then resumes on 1 process (elastic resume). The all-reduce
+    sums in another order, and Muon's Newton-Schulz step rounds to bf16, which turns some of those
+    last-bit differences into bf16 ones: a small lr (as test_train's DDP test takes for AdamW)
+    keeps them under 1e-5 (at muon_lr=3e-3 they reach 4e-5)."""
+    muon = [*MUON, "--muon_lr=5e-4"]
+    r = run_script(args(data, tmp_path / "one", *muon))
+    assert r.returncode == 0, r.stderr
+    r = run_script(args(data, tmp_path / "two", *muon), nproc=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    one, two = read_log(tmp_path / "one"), read_log(tmp_path / "two")
+    assert one["train"][STEPS - 1] < one["train"][0] - 0.01  # it trained
+    assert one["train"].keys() == two["train"].keys() == set(range(STEPS))
+    for kind in ("train", "val"):
+        assert all(abs(one[kind][s] - two[kind][s]) <= 1e-5 for s in one[kind]), (kind, one[kind], two[kind])
+    elastic = tmp_path / "elastic"
+    elastic.mkdir()
+    (elastic / "model_00020.pt").write_bytes((tmp_path / "two" / "model_00020.pt").read_bytes())
+    r = run_script(args(data, elastic, *muon))
+    assert r.returncode == 0 and "resuming from" in r.stdout, r.stderr
+    assert all(abs(one["train"][s] - read_log(elastic)["train"][s]) <= 1e-5 for s in range(20, STEPS))
+
+
+def test_muon_refuses_fsdp_and_a_changed_optimizer(muon1, data, tmp_path):
+    """Under FSDP each rank holds shards of a matrix, which Muon must not orthogonalize as if they
+    were the matrix: one line, before anything runs. A checkpoint's optimizer state belongs to its
+    optimizer: resuming it with the other one is refused, naming both."""
+    r = run_script(args(data, tmp_path / "fsdp", *MUON, "--parallel=fsdp"), nproc=2)
+    assert r.returncode != 0 and "error: optimizer='muon' orthogonalizes whole weight matrices" in r.stderr
+    assert not (tmp_path / "fsdp").exists()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "model_00020.pt").write_bytes((muon1 / "model_00020.pt").read_bytes())
+    r = run_script(args(data, copy))
+    assert r.returncode == 1
+    assert (f"error: {copy / 'model_00020.pt'} continues a run with optimizer='muon', but the config says "
+            f"optimizer='adamw'") in r.stderr
+
+
+def test_muon_with_compile_float16_and_bf16(data, tmp_path):
+    """Muon under torch.compile (the same losses as eager), float16 loss scaling and bf16 autocast
+    (close to float32: rounding only)."""
+    common = [*MUON, "--max_steps=6", "--eval_interval=6", "--checkpoint_interval=0"]
+    runs = {name: (tmp_path / name, extra) for name, extra in
+            (("eager", []), ("compiled", ["--compile=True"]), ("float16", ["--dtype=float16"]),
+             ("bf16", ["--dtype=bfloat16"]))}
+    for log_dir, extra in runs.values():
+        r = run_script(args(data, log_dir, *common, *extra))
+        assert r.returncode == 0, r.stderr
+    ref = read_log(tmp_path / "eager")
+    for name, tol in (("compiled", 2e-4), ("float16", 2e-2), ("bf16", 5e-2)):
+        got = read_log(tmp_path / name)
+        assert got["train"].keys() == ref["train"].keys() == set(range(6)), name
+        assert all(abs(got[k][s] - ref[k][s]) <= tol for k in ("train", "val") for s in ref[k]), (name, got, ref)
+
+
+# --- val bits per byte ----------------------------------------------------------------------------
+
+def test_val_bits_per_byte_against_brute_force(tmp_path, enc):
+    """The logged bpb: the summed loss in bits over the val targets, over the UTF-8 bytes of their
+    text (<|endoftext|> has none), here computed the slow way: each sequence's loss summed token by
+    token, and the bytes from decoding the targets."""
+    rng = np.random.default_rng(7)
+    words = "the of water light house ran slowly über naïve café ☃ 数据 and then".split()
+    text = "".join(f"<|endoftext|>{' '.join(rng.choice(words, 40))}" for _ in range(40))
+    tokens = np.array(enc.encode(text, allowed_special="all"), dtype=np.uint16)
+    from conftest import write_shards
+    write_shards(tmp_path / "data", "val", [tokens[:1025]])
+    write_shards(tmp_path / "data", "train", [tokens])
+    r = run_script([*TINY, f"--data_root={tmp_path / 'data'}", f"--log_dir={tmp_path / 'log'}", "--B=2", "--T=32",
+                    "--total_batch_size=64", "--max_steps=2", "--eval_interval=2", "--val_tokens=1024",
+                    "--sample_interval=0", "--hellaswag=False"])
+    assert r.returncode == 0, r.stderr
+    logged = read_log(tmp_path / "log")["bpb"][2]
+    state = torch.load(tmp_path / "log" / "model_00002.pt", weights_only=True)
+    model = GPT(GPTConfig.from_dict(state["config"]))
+    model.load_state_dict(state["model"])
+    nats = 0.0
+    with torch.no_grad():
+        for i in range(0, 1024, 32):  # one sequence at a time, each target's loss on its own
+            x = torch.tensor(tokens[i:i + 32].astype(np.int64))[None]
+            y = torch.tensor(tokens[i + 1:i + 33].astype(np.int64))
+            logits = model(x)[0][0].float()
+            nats += sum(-torch.log_softmax(logits[t], -1)[y[t]].item() for t in range(32))
+    targets = [int(t) for t in tokens[1:1025] if t != 50256]
+    n_bytes = len(enc.decode_bytes(targets))
+    assert n_bytes > 1024 and any(t == 50256 for t in tokens[1:1025])  # multi-byte text, and separators
+    assert abs(nats / math.log(2) / n_bytes - logged) < 1e-4, (nats / math.log(2) / n_bytes, logged)
+    assert f"val bpb {logged:.4f}" in r.stdout
+
+
+# --- the default recipe, as it was ----------------------------------------------------------------
+
+def test_defaults_train_step_for_step_as_before_issue_22(data, tmp_path):
+    """The code before issue 22 (commit cb9e534, from git) and today's, the same small run with the
+    defaults (AdamW, cosine): the same train and val losses to 1e-6."""
+    r = subprocess.run(["git", "-C", ROOT, "archive", "cb9e534"], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"no git history here: {r.stderr.decode()[:200]}")
+    old = tmp_path / "old"
+    tarfile.open(fileobj=io.BytesIO(r.stdout)).extractall(old, filter="data")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    logs = {}
+    for name, code in (("old", old), ("new", ROOT)):
+        r = subprocess.run([sys.executable, "train_gpt2.py", *args(data, tmp_path / name)], cwd=code, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        logs[name] = read_log(tmp_path / name)
+    assert logs["old"]["train"].keys() == logs["new"]["train"].keys() == set(range(STEPS))
+    for kind in ("train", "val"):
+        assert all(abs(logs["old"][kind][s] - logs["new"][kind][s]) <= 1e-6 for s in logs["old"][kind]), kind
+    assert "bpb" in logs["new"] and "bpb" not in logs["old"]
