@@ -215,9 +215,9 @@ def evaluate(model, tokens, B, T, device, dtype):
 
 
 def evals_and_samples(state, val_data, val_bytes, hella_data, do_eval, do_sample):
-    """This step's val loss (returned, or None), its bits per byte and HellaSwag, all ranks together,
-    and rank 0's samples; rank 0 prints and logs them. Under FSDP they run on a gathered copy of the model, which
-    is freed when this function returns."""
+    """This step's val loss (returned, or None) with its bits per byte, and HellaSwag, all ranks
+    together, and rank 0's samples; rank 0 prints and logs them. Under FSDP they run on a gathered
+    copy of the model, which is freed when this function returns."""
     model, raw_model = whole_models(state.model, state.raw_model, state.optimizer, device)
     step, val_loss = state.step, evaluate(model, val_data, B, T, device, dtype) if do_eval else None
     if do_eval and rank == 0:  # bits per byte: the summed loss in bits over the bytes of the val targets' text

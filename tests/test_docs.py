@@ -183,3 +183,8 @@ def test_fsdp_memory_table_matches_a_count():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
                 model(x, x)
         assert abs(sum(saved.values()) / 1e9 - gb) < 0.05, (preset, sum(saved.values()) / 1e9, gb)
+
+
+def test_readme_is_a_newcomers_page():
+    """At most 12,000 characters: the depth lives in docs/."""
+    assert len(read("README.md")) <= 12000, len(read("README.md"))
