@@ -65,7 +65,7 @@ lr_schedule = "cosine"  # "cosine", or "wsd": warmup, constant max_lr, then deca
 decay_frac = 0.2  # wsd: the last 20% of max_steps decay
 decay_shape = "linear"  # wsd: "linear" or "1-sqrt"
 optimizer = "adamw"  # "adamw", or "muon": Muon for the blocks' weight matrices, AdamW for the rest (muon.py)
-muon_lr = 4.5e-3  # muon: its peak lr ("match_rms_adamw" scale), scheduled as max_lr is
+muon_lr = 1.8e-3  # muon: its peak lr, 3x max_lr (the quick start's best: docs/recipes.md), scheduled as max_lr is
 muon_momentum = 0.95  # muon: Nesterov momentum
 # evaluation, samples, checkpoints (every N steps and at the last step; 0 turns it off)
 eval_interval = 250

@@ -11,5 +11,6 @@ B = 64  # per GPU; 8 GPUs -> 1 micro-step per optimizer step; 16 GPUs: B = 32, 3
 T = 1024
 max_lr = 6e-4
 min_lr = 6e-5
+muon_lr = 1.8e-3  # with --optimizer=muon: 3x max_lr (docs/recipes.md)
 warmup_steps = 715
 max_steps = 19073

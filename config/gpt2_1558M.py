@@ -11,5 +11,6 @@ B = 8  # per GPU; 8 GPUs -> 16 micro-steps per optimizer step
 T = 1024
 max_lr = 2e-4
 min_lr = 2e-5
+muon_lr = 6e-4  # with --optimizer=muon: 3x max_lr (docs/recipes.md)
 warmup_steps = 358  # 375M tokens, as the smaller runs
 max_steps = 9537  # 10B tokens

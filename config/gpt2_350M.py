@@ -10,5 +10,6 @@ B = 32  # per GPU; 8 GPUs -> 2 micro-steps per optimizer step
 T = 1024
 max_lr = 3e-4
 min_lr = 3e-5
+muon_lr = 9e-4  # with --optimizer=muon: 3x max_lr (docs/recipes.md)
 warmup_steps = 715
 max_steps = 19073  # 10B tokens

@@ -11,5 +11,6 @@ B = 16  # per GPU; 8 GPUs -> 4 micro-steps per optimizer step
 T = 1024
 max_lr = 2.5e-4
 min_lr = 2.5e-5
+muon_lr = 7.5e-4  # with --optimizer=muon: 3x max_lr (docs/recipes.md)
 warmup_steps = 715
 max_steps = 19073  # 10B tokens
