@@ -308,15 +308,15 @@ def resumed_model_config(ckpt, path, config):
 
 def restore(state, ckpt, path, max_bad_steps):
     """Load a checkpoint into state (a TrainState): weights, optimizer, loss scale, data
-    position, RNG states, step, evaluated and bad_steps. The optimizer keeps the config's weight_decay,
-    muon_lr and muon_momentum, and this device's fused/foreach."""
+    position, RNG states, step, evaluated and bad_steps. The optimizer's settings (weight_decay,
+    Muon's lr_scale and momentum, this device's fused/foreach, ...) stay the fresh optimizer's."""
     optimizer = state.optimizer
     if ckpt.get('scaler'):  # a float16 run's loss scale (empty in other precisions)
         state.scaler.load_state_dict(ckpt['scaler'])
-    # load_state_dict replaces the param groups whole: keep the config's weight_decay (and Muon's lr
-    # and momentum), and this device's kernel choices (fused, foreach: a CPU checkpoint on a GPU)
-    kept = [{k: g[k] for k in ('weight_decay', 'fused', 'foreach', 'lr_scale', 'momentum') if k in g}
-            for g in optimizer.param_groups]
+    # load_state_dict replaces the param groups whole, settings included: the checkpoint brings only
+    # the state (moments, momentum buffers); every setting comes from this config and device (a CPU
+    # checkpoint resumed on a GPU gets the fused kernel; lr is set at every step anyway)
+    kept = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
     parallel.load_full_state(state.raw_model, optimizer, ckpt['model'], ckpt['optimizer'])  # FSDP: each rank its shards
     for group, keep in zip(optimizer.param_groups, kept):
         group.update(keep)

@@ -6,9 +6,9 @@ checked (hardware.choose_precision then makes dtype and compile "auto" concrete)
 
 A config file is Python that assigns some of the constants (it may read the others:
 max_steps = 2 * warmup_steps), and it runs as code: use only files you trust. --key=value takes
-a Python literal, or the text as typed for a string constant. Both are applied in the order given, and each value must keep its default's
-type (an int is fine for a float; True/False for an "auto" default). An unknown key is an error
-that names the closest valid ones.
+a Python literal, or the text as typed for a string constant. Both are applied in the order
+given, and each value must keep its default's type (an int is fine for a float; True/False for
+an "auto" default). An unknown key is an error that names the closest valid ones.
 """
 import ast
 import builtins
@@ -21,6 +21,7 @@ import torch
 
 from errors import UserError
 from hardware import PRECISIONS
+from muon import OPTIMIZERS
 from schedule import DECAY_SHAPES, SCHEDULES
 
 # nanoGPT's and build-nanogpt's names for this trainer's constants
@@ -113,7 +114,7 @@ def check_config(c):
         raise UserError("wandb_log=True needs the wandb package: pip install -r requirements-wandb.txt")
     if c['parallel'] not in ('ddp', 'fsdp'):
         raise UserError(f"config key 'parallel' must be 'ddp' or 'fsdp', got {c['parallel']!r}")
-    for key, allowed in (('lr_schedule', SCHEDULES), ('decay_shape', DECAY_SHAPES), ('optimizer', ('adamw', 'muon'))):
+    for key, allowed in (('lr_schedule', SCHEDULES), ('decay_shape', DECAY_SHAPES), ('optimizer', OPTIMIZERS)):
         if c[key] not in allowed:
             raise UserError(f"config key {key!r} must be {' or '.join(map(repr, allowed))}, got {c[key]!r}")
     if not 0 < c['decay_frac'] <= 1 or c['muon_lr'] <= 0 or not 0 <= c['muon_momentum'] < 1:

@@ -11,6 +11,8 @@ holds shards, so configurator.py refuses optimizer="muon" with parallel="fsdp".
 """
 import torch
 
+OPTIMIZERS = ('adamw', 'muon')  # the trainer's optimizer choices: AdamW alone, or this
+
 
 class MuonAdamW(torch.optim.Optimizer):
     """muon_groups to torch.optim.Muon(**muon_kw), adamw_groups to torch.optim.AdamW(**adamw_kw);

@@ -15,7 +15,7 @@ import torch
 from conftest import ROOT, TINY, random_shards, read_log, run_script
 from model import GPT, GPTConfig
 from schedule import get_lr
-from test_resume import start, wait_for_step
+from test_resume import start, state, wait_for_step
 
 STEPS = 40
 COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=128", f"--max_steps={STEPS}",
@@ -31,10 +31,6 @@ def data(tmp_path_factory):
 
 def args(data, log_dir, *extra):
     return [*COMMON, f"--data_root={data}", f"--log_dir={log_dir}", *extra]
-
-
-def ckpt(log_dir, step=STEPS):
-    return torch.load(os.path.join(log_dir, f"model_{step:05d}.pt"), map_location="cpu", weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +116,7 @@ def test_muon_killed_and_resumed_is_bit_identical(muon1, data, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "resuming from" in r.stdout
     assert (log_dir / "log.txt").read_text() == (muon1 / "log.txt").read_text()
-    a, b = ckpt(muon1), ckpt(log_dir)
+    a, b = state(muon1, STEPS), state(log_dir, STEPS)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert sa.keys() == sb.keys() and sum("momentum_buffer" in s for s in sa.values()) == 8
