@@ -158,7 +158,7 @@ def time_steps(c, role):
     model = GPT(GPTConfig.from_dict(c)).to(device)
     optimizer = model.configure_optimizers(c['weight_decay'], c['max_lr'], torch.device(device).type)
     scaler = torch.amp.GradScaler(torch.device(device).type, enabled=c['dtype'] == 'float16')
-    state = train_gpt2.TrainState(torch.compile(model) if c['compile'] else model, model, optimizer, scaler,
+    state = train_gpt2.TrainState(torch.compile(model, dynamic=False) if c['compile'] else model, model, optimizer, scaler,
                                   RandomTokens(c['B'], c['T'], c['vocab_size']))
     grad_accum = c['total_batch_size'] // (c['B'] * c['T'])
 

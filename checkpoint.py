@@ -60,6 +60,18 @@ def on_stop_signal(signum, frame):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
 
 
+def stop_on_signal(state, val_loss, saved, config, keep_checkpoints):
+    """SIGTERM or Ctrl-C, agreed at a step boundary: the checkpoint of state (after state.step
+    updates) unless saved already, one line, and the exit code EXIT_PREEMPTED."""
+    if not saved:  # rank 0 writes it; every rank learns whether it worked
+        save_checkpoint(state, val_loss, config, config['log_dir'], keep_checkpoints)
+    if parallel.rank() == 0:
+        print(f"{stop_requested or 'SIGTERM'}: stopped at step {state.step}; wrote "
+              f"{os.path.join(config['log_dir'], f'model_{state.step:05d}.pt')}; run the same command again to resume "
+              f"(exit code {EXIT_PREEMPTED})")
+    return EXIT_PREEMPTED
+
+
 def listen_for_stop_signals():
     """From now on SIGTERM and the first Ctrl-C stop the run at the next step boundary, with a
     checkpoint (exit 75); a second Ctrl-C raises KeyboardInterrupt at once, as Python does."""
@@ -71,12 +83,18 @@ def listen_for_stop_signals():
 # reading: the newest checkpoint that loads, checked before anything is built from it
 
 
+def tensor_checksum(t):
+    """The sum of t's bytes read as integers (int32 words, else bytes), as a 0-dim int64 tensor on
+    t's device: any changed bit changes it (wrapping around is alike everywhere)."""
+    t = t.detach().contiguous().view(-1)
+    return t.view(torch.int32 if t.element_size() == 4 else torch.uint8).sum(dtype=torch.int64)
+
+
 def checksum(obj):
     """The sum of every tensor in obj (nested) read as integers: a byte of a checkpoint flipped or
     zeroed on disk changes it (torch.load checks no CRC: such a file loads without complaint)."""
     if torch.is_tensor(obj):
-        t = obj.detach().contiguous().view(-1)
-        return t.view(torch.int32 if t.element_size() == 4 else torch.uint8).sum(dtype=torch.int64).item()
+        return tensor_checksum(obj).item()
     if isinstance(obj, dict):
         obj = list(obj.values())
     return sum(checksum(v) for v in obj) % 2 ** 62 if isinstance(obj, (list, tuple)) else 0
@@ -170,6 +188,7 @@ def find_checkpoint(log_dir, resume, device):
         except UserError as e:
             error = str(e)
     failed = error is not None
+    parallel.wait_for_all()  # rank 0 read every candidate, for as long as it took
     step = parallel.from_rank0(-2 if error is not None else step)  # -2: rank 0 failed, -1: nothing to resume
     if rank > 0 and step >= 0:
         path = os.path.join(log_dir, f"model_{step:05d}.pt")
@@ -178,6 +197,7 @@ def find_checkpoint(log_dir, resume, device):
         except (ValueError, OSError, MemoryError) as e:
             print(f"error: rank {rank} cannot read {path}: {e}", file=sys.stderr)
             failed = True
+    parallel.wait_for_all()  # the others read it too
     if parallel.agree(failed or step == -2):
         raise UserError(error or f"another rank could not read {path}: log_dir must be on a filesystem that every node sees")
     return path, ckpt
@@ -239,11 +259,28 @@ def torch_save(obj, f):
         raise
 
 
+def check_replicas(model, step):
+    """Under DDP, that every rank's weights are rank 0's, bit for bit, before a checkpoint: DDP sends
+    weights only at the start, so replicas stay equal only while every rank computes the same bits
+    (not so across GPU models or library versions). One checksum per rank, gathered; a UserError
+    names the ranks that differ. Under FSDP the ranks hold different shards: nothing to compare."""
+    if parallel.world_size() == 1 or parallel.is_sharded(model):
+        return
+    sums = parallel.gather_objects(sum(tensor_checksum(p) for p in model.parameters()).item())
+    differ = [str(r) for r, s in enumerate(sums) if s != sums[0]]
+    if differ:
+        raise UserError(f"step {step}: the weights of rank{'s' * (len(differ) > 1)} {', '.join(differ)} differ from "
+                        f"rank 0's: DDP keeps replicas equal only while every rank computes the same bits (the same GPU "
+                        f"model, driver and library versions); no checkpoint of step {step} was written: resume from "
+                        f"the last one on matching hardware")
+
+
 def save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints):
     """Rank 0 writes log_dir/model_{step:05d}.pt atomically, then deletes the checkpoints beyond
     the newest keep_checkpoints. Every rank learns whether it worked: a failed write (a full
     disk) stops the run, with the earlier checkpoints untouched."""
     error = None
+    check_replicas(state.raw_model, state.step)  # a diverged state is never saved
     ckpt = checkpoint_state(state, val_loss, config)  # a collective under FSDP: every rank takes part
     if ckpt is not None:
         ckpt['checksum'] = checksum(list(ckpt.values()))
@@ -261,6 +298,7 @@ def save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints):
             older = [p for s, p in list_checkpoints(log_dir) if s < ckpt['step']]
             for p in older[max(keep_checkpoints - 1, 0):] if keep_checkpoints > 0 else []:
                 os.remove(p)  # only now that a newer one is complete
+    parallel.wait_for_all()  # however long rank 0 took to write: the next collective is bounded again
     if parallel.agree(error is not None):
         raise UserError(error or "rank 0 could not write a checkpoint")
 
@@ -329,9 +367,32 @@ def restore(state, ckpt, path, max_bad_steps):
                         f"gradient norm, and max_bad_steps={max_bad_steps}: to go on (after lowering max_lr, say), "
                         f"raise max_bad_steps above {ckpt['bad_steps']}, or point log_dir elsewhere to start afresh")
     state.step, state.evaluated, state.bad_steps = ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
+    if parallel.rank() == 0:
+        print(f"resuming from {path}: step {state.step}, train data at {state.loader.state()['file']} "
+              f"token {state.loader.pos:,}")
+
+
+def stop_after_bad_steps(state, config, keep_checkpoints):
+    """max_bad_steps steps in a row with a non-finite loss or gradient norm: a checkpoint (the last
+    good update's weights, the data position after the skipped batches), then a UserError."""
+    save_checkpoint(state, None, config, config['log_dir'], keep_checkpoints)
+    raise UserError(f"stopped after {state.bad_steps} steps in a row with a non-finite loss or gradient norm "
+                    f"(max_bad_steps={config['max_bad_steps']}); "
+                    f"{os.path.join(config['log_dir'], f'model_{state.step:05d}.pt')} holds the last good weights, with "
+                    f"the data position after the skipped batches; lower max_lr or check the data, then raise "
+                    f"max_bad_steps to resume from it")
 
 
 _lock_file = None  # rank 0's open run.lock: the lock lasts as long as the process
+
+
+def claim_log_dir(log_dir):
+    """Every rank, first thing: rank 0 takes log_dir/run.lock (lock_log_dir); a UserError on every
+    rank when another run holds it."""
+    busy = lock_log_dir(log_dir) if parallel.rank() == 0 else ''
+    parallel.wait_for_all()  # rank 0's work alone, however long a shared file system takes
+    if parallel.agree(bool(busy)):
+        raise UserError(busy or f"log_dir={log_dir} is in use by another run")
 
 
 def lock_log_dir(log_dir):

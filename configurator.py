@@ -99,7 +99,8 @@ def accumulation_steps(total_batch_size, B, T, world):
 
 
 def check_config(c):
-    for key in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size', 'total_batch_size', 'B', 'T'):
+    for key in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size', 'total_batch_size', 'B', 'T',
+                'collective_timeout'):
         if c[key] <= 0:
             raise UserError(f"config key {key!r} must be positive, got {c[key]}")
     for key in ('max_steps', 'warmup_steps', 'eval_interval', 'val_tokens', 'sample_interval', 'sample_length',

@@ -47,7 +47,7 @@ def time_evals(c, config, device, n_examples):
     trainer runs it), on a fresh model of the run's shape."""
     torch.manual_seed(0)
     model = GPT(config).to(device)
-    compiled = torch.compile(model) if c['compile'] else model
+    compiled = torch.compile(model, dynamic=False) if c['compile'] else model  # as the trainer compiles it
     tokens = np.random.default_rng(0).integers(0, N_VOCAB, c['val_tokens'] // c['T'] * c['T'] + 1).astype(np.uint16)
     args = (c['B'], c['T'], device, c['dtype'])
     train_gpt2.evaluate(compiled, tokens[:2 * c['B'] * c['T'] + 1], *args)  # compiles

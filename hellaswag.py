@@ -253,7 +253,7 @@ def load_for_training(file, model):
                 download('val')  # nothing to do once cached; on a shared folder the nodes' renames are each atomic
             except UserError as e:
                 why = str(e)
-        parallel.barrier()  # each node's download first
+        parallel.wait_for_all()  # each node's download first, however long it takes
         if os.path.isfile(path):
             examples = [render_example(e) for e in iterate_examples(file=path)]  # bad data: UserError
             if not examples:  # every rank reads the same file: all stop here, before step 0

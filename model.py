@@ -4,7 +4,6 @@ checkpoint reader, generation. Parameter names follow OpenAI/HF GPT-2 (transform
 transformer.h.N.attn.c_attn, ...), so weights move between this model and HF's GPT2LMHeadModel
 with only the Conv1D transposes.
 """
-import inspect
 import json
 import os
 import pickle
@@ -213,17 +212,22 @@ class GPT(nn.Module):
             x = block(x, None if kv_cache is None else kv_cache[i], start_pos, packed, keep)
         return self.transformer.ln_f(x)
 
-    def forward(self, idx, targets=None, kv_cache=None, start_pos=0):
-        # idx: (B, T) token ids; targets: (B, T) or None
+    def forward(self, idx, targets=None, kv_cache=None, start_pos=0, reduction='mean'):
+        # idx: (B, T) token ids; targets: (B, T) or None, -1 where nothing is to be predicted;
+        # reduction='none': the loss of each target, (B, T), 0 where it is -1
         h = self.hidden_states(idx, kv_cache, start_pos)  # (B, T, n_embd)
-        if targets is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # training: the loss and its gradient in one pass over the logits, which are not returned
-            # (inductor fuses F.cross_entropy by itself, and eval needs no gradient)
+        if (targets is not None and torch.is_grad_enabled() and h.device.type == 'cpu' and reduction == 'mean'
+                and not torch.compiler.is_compiling()):
+            # training on a CPU: the loss and its gradient in one pass over the logits, which are not
+            # returned (faster there: docs/benchmarks.md). Elsewhere F.cross_entropy, compiled or not:
+            # on a GPU, turning compile off changes no loss code (inductor fuses it by itself)
             return None, LinearCrossEntropy.apply(h.view(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1))
         logits = self.lm_head(h)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
+                                   reduction=reduction)
+            loss = loss.view(targets.shape) if reduction == 'none' else loss
         return logits, loss
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, optimizer='adamw', muon_lr=None,
@@ -231,7 +235,9 @@ class GPT(nn.Module):
         """AdamW (betas 0.9, 0.95) over every parameter, decaying the matrices (matmul weights,
         embeddings) but not biases and LayerNorm gains (dim < 2). optimizer="muon": the blocks'
         matmul weights go to Muon instead (peak lr muon_lr; its groups carry lr_scale = muon_lr /
-        learning_rate, by which the trainer scales its scheduled lr), the rest stays with AdamW."""
+        learning_rate, by which the trainer scales its scheduled lr), the rest stays with AdamW. AdamW is
+        the fused kernel whatever device_type (kept for callers): the trainer skips a step on the device
+        through its found_inf, as GradScaler does."""
         params = [p for p in self.parameters() if p.requires_grad]  # parameters() lists tied ones once
         matrices = {id(p) for block in self.transformer.h for p in block.parameters() if p.dim() == 2}
         to_muon = matrices if optimizer == 'muon' else set()
@@ -240,8 +246,8 @@ class GPT(nn.Module):
             {'params': [p for p in rest if p.dim() >= 2], 'weight_decay': weight_decay},
             {'params': [p for p in rest if p.dim() < 2], 'weight_decay': 0.0},
         ]
-        use_fused = device_type == 'cuda' and 'fused' in inspect.signature(torch.optim.AdamW).parameters
-        adamw = dict(lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=use_fused)
+        # fused on every device: one kernel, and a step it is told to skip (found_inf) changes nothing
+        adamw = dict(lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=True)
         if optimizer != 'muon':
             return torch.optim.AdamW(optim_groups, **adamw)
         from muon import MuonAdamW

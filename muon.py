@@ -1,26 +1,56 @@
 """
-optimizer="muon": torch.optim.Muon for the transformer blocks' weight matrices (attention and MLP),
-torch.optim.AdamW for everything else (token and position embeddings, the tied output layer,
-biases, layer norms), as one torch optimizer: one list of param groups (the trainer sets each
-group's lr, times its lr_scale), one state indexed as a single optimizer's (so checkpoints, FSDP's
-full state and GradScaler see one optimizer), one step. docs/recipes.md says when to use it.
+optimizer="muon": Muon for the transformer blocks' weight matrices (attention and MLP), AdamW for
+everything else (token and position embeddings, the tied output layer, biases, layer norms), as one
+torch optimizer: one list of param groups (the trainer sets each group's lr, times its lr_scale),
+one state indexed as a single optimizer's (so checkpoints, FSDP's full state and GradScaler see one
+optimizer), one step. docs/recipes.md says when to use it.
 
-Muon's Newton-Schulz iteration runs in bf16 (PyTorch's implementation): on a CPU without bf16 units
-it is emulated, and its cost shows in the step time. Muon needs whole matrices: under FSDP a rank
-holds shards, so configurator.py refuses optimizer="muon" with parallel="fsdp".
+The Muon update is torch.optim.Muon's, bit for bit (a test holds them together), computed here so
+that a step the trainer skips changes nothing without the host waiting: like fused AdamW, it reads
+found_inf, a 0-dim tensor on the device set by the trainer before step() (1.0: skip), and writes
+each matrix and momentum buffer back only where it is 0. Its Newton-Schulz iteration runs in bf16:
+on a CPU without bf16 units it is emulated, and its cost shows in the step time. Muon needs whole
+matrices: under FSDP a rank holds shards, so configurator.py refuses optimizer="muon" with
+parallel="fsdp".
 """
+import math
+
 import torch
 
 OPTIMIZERS = ('adamw', 'muon')  # the trainer's optimizer choices: AdamW alone, or this
 
 
+def orthogonalize(g, coefficients, steps, eps):
+    """Newton-Schulz's quintic iteration towards the nearest semi-orthogonal matrix to g (2-D), in
+    bf16: its singular values are pushed towards 1 (to about 0.7-1.2), their vectors kept."""
+    a, b, c = coefficients
+    x = g.bfloat16()
+    wide = g.size(0) <= g.size(1)
+    x = x if wide else x.T  # iterate on the side with fewer rows: X X^T is the smaller product
+    x.div_(x.norm().clamp(min=eps))  # singular values now at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
+        x = torch.addmm(x, poly, x, beta=a)  # a X + (b A + c A^2) X
+    return x if wide else x.T
+
+
+def lr_ratio(adjust_lr_fn, shape):
+    """How torch.optim.Muon scales lr for a matrix of this shape."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn == 'match_rms_adamw':  # the update's RMS as AdamW's: lr and weight decay carry over
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))
+
+
 class MuonAdamW(torch.optim.Optimizer):
-    """muon_groups to torch.optim.Muon(**muon_kw), adamw_groups to torch.optim.AdamW(**adamw_kw);
-    param_groups lists AdamW's groups, then Muon's (the same dicts the two optimizers use)."""
+    """muon_groups to Muon (torch.optim.Muon's settings, muon_kw), adamw_groups to fused
+    torch.optim.AdamW(**adamw_kw); param_groups lists AdamW's groups, then Muon's (the same dicts
+    the two use)."""
 
     def __init__(self, muon_groups, adamw_groups, muon_kw, adamw_kw):
         self.adamw = torch.optim.AdamW(adamw_groups, **adamw_kw)
-        self.muon = torch.optim.Muon(muon_groups, **muon_kw)
+        self.muon = torch.optim.Muon(muon_groups, **muon_kw)  # its defaults and checks; step() is ours
         super().__init__(self.adamw.param_groups + self.muon.param_groups, {})
         self._share()
 
@@ -37,5 +67,26 @@ class MuonAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "MuonAdamW takes no closure"
+        found_inf = getattr(self, 'found_inf', None)  # set by the trainer (or GradScaler) for this step
+        self.adamw.found_inf = found_inf
         self.adamw.step()
-        self.muon.step()
+        del self.adamw.found_inf
+        for group in self.muon.param_groups:
+            for p in group['params']:
+                if p.grad is not None:
+                    self._muon_update(p, group, found_inf)
+
+    def _muon_update(self, p, group, found_inf):
+        """torch.optim.Muon's update of the matrix p, kept only where found_inf is not 1."""
+        state = self.state[p]
+        if 'momentum_buffer' not in state:
+            state['momentum_buffer'] = torch.zeros_like(p)
+        buf, grad, lr, momentum = state['momentum_buffer'], p.grad, group['lr'], group['momentum']
+        new_buf = buf.lerp(grad, 1 - momentum)
+        update = grad.lerp(new_buf, momentum) if group['nesterov'] else new_buf
+        update = orthogonalize(update, group['ns_coefficients'], group['ns_steps'], group['eps'])
+        new_p = p.mul(1 - lr * group['weight_decay'])
+        new_p.add_(update, alpha=-lr * lr_ratio(group['adjust_lr_fn'], p.shape))
+        keep = torch.ones((), dtype=torch.bool, device=p.device) if found_inf is None else found_inf == 0
+        torch.where(keep, new_buf, buf, out=buf)  # skipped: the old values, bit for bit, decided on the device
+        torch.where(keep, new_p, p, out=p)

@@ -6,6 +6,12 @@ checkpoints, and what each rank holds. train_gpt2.py starts the process group (f
 RANK, LOCAL_RANK, WORLD_SIZE) and all-reduces its losses and HellaSwag counts in the open; every
 other collective of the trainer is here. docs/ddp.md and docs/fsdp.md tell the whole story.
 
+How long a rank waits: every collective of the process group gives up after collective_timeout
+(train_gpt2.py), so a stuck rank (an NFS stall, a GPU fault) ends the run in minutes. Where ranks
+work apart for as long as it takes (rank 0 writing a checkpoint or downloading HellaSwag, every
+rank reading a checkpoint), they meet first in wait_for_all, a barrier of a second (gloo) group
+that waits without a practical limit; the collective after it then waits only for ordinary work.
+
 parallel="fsdp" is PyTorch's FSDP2 (fully_shard), for models whose weights, gradients and AdamW
 state do not fit on every GPU whole, as DDP keeps them (docs/ddp.md, 12). Each transformer block,
 and the root (embeddings, final norm, the tied output layer), becomes one FSDP unit: every rank
@@ -18,6 +24,8 @@ the full state, in DDP's format, and the evals run on a plain copy of the whole 
 """
 import gc
 import os
+import re
+import traceback
 from datetime import timedelta
 
 import torch
@@ -55,6 +63,37 @@ def restart_store():
     return None
 
 
+PATIENCE = timedelta(days=7)  # wait_for_all: "as long as it takes"; a rank that dies ends the run through torchrun
+_patient_group = None  # the gloo group of wait_for_all
+
+
+def start_patient_group():
+    """After init_process_group, on every rank: the gloo group whose barrier wait_for_all is."""
+    global _patient_group
+    _patient_group = dist.new_group(backend='gloo', timeout=PATIENCE)
+
+
+def wait_for_all():
+    """A barrier with no practical time limit, after a phase where ranks work apart for as long as
+    it takes (rank 0 writing a checkpoint, downloading, every rank reading a checkpoint): the
+    collective that follows it then waits under collective_timeout for ordinary work only."""
+    if world_size() > 1:
+        dist.barrier(group=_patient_group)
+
+
+def gave_up(error, rank, timeout):
+    """The one line for error when it is a collective that gave up waiting for the other ranks
+    (timeout seconds), naming where: the innermost frame of this project's files; else None."""
+    if not (dist.is_initialized() and re.search(r'[Tt]imed? ?out', str(error))):
+        return None
+    here, where = os.path.dirname(os.path.abspath(__file__)), 'an unknown place'
+    for frame, line in traceback.walk_tb(error.__traceback__):
+        if os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
+            where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}, line {line}"
+    return (f"error: rank {rank} waited more than collective_timeout={timeout} s for the other ranks in {where}: one of "
+            f"them is stuck or gone; the last checkpoint stands: run the same command again to resume")
+
+
 def end_process_group(finished):
     """Leave the process group. finished: every rank got to the end of the run, so they wait for
     each other first (no rank tears down while rank 0 still writes its last checkpoint)."""
@@ -62,7 +101,7 @@ def end_process_group(finished):
         return
     try:
         if finished:
-            dist.barrier()
+            wait_for_all()
     finally:
         gc.collect()  # FSDP's sharded tensors hold gloo work: free them while Python is whole
         dist.destroy_process_group()
@@ -94,11 +133,6 @@ def from_rank0(value):
     return t.item()
 
 
-def barrier():
-    if world_size() > 1:
-        dist.barrier()
-
-
 def gather_objects(obj):
     """[obj of rank 0, of rank 1, ...] on every rank (small picklable objects: names, hosts)."""
     if world_size() == 1:
@@ -113,9 +147,22 @@ def gather_objects(obj):
 
 def wrap_ddp(model, device):
     """DDP: gradients all-reduced during backward (bucket by bucket); rank 0's weights everywhere at
-    start. The gradients are views into the buckets: no second copy of them, and no copy per step."""
+    start. The gradients are views into the buckets: no second copy of them, and no copy per step.
+    DDP makes a gradient that exists at its construction a view at once (one that does not exist
+    would be allocated apart by the first micro-steps), and zero_grad keeps them so."""
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    wait_for_all()  # the ranks read their data and checkpoint each at its own pace; DDP's broadcast is bounded
     return DDP(model, device_ids=[torch.device(device).index] if device.startswith('cuda') else None,
                gradient_as_bucket_view=True)
+
+
+def zero_grad(model, optimizer):
+    """Before a step. Under DDP the gradients are zeroed in place: set to None, the backward of each
+    micro-step without sync would allocate new ones beside DDP's buckets (4 bytes per parameter
+    more) and the sync would copy them in. Elsewhere they are freed, for the forward's activations."""
+    optimizer.zero_grad(set_to_none=not isinstance(model, DDP))
 
 
 def without_ddp(model):

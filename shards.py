@@ -79,23 +79,37 @@ def document_starts(tokens, block=1 << 24):
     return np.unique(np.concatenate(found))  # token 0 may be an EOT itself
 
 
+def cut_tail(tokens, block=1 << 16):
+    """How many tokens a shard begins with before its first <|endoftext|>: the tail of a document
+    that fineweb.py cut at the shard boundary (0 when the shard begins with one, or has none: then
+    it is one piece of text). Read a block at a time from the start: a document's length, no more."""
+    for i in range(0, len(tokens), block):
+        found = np.flatnonzero(tokens[i:i + block] == EOT)
+        if len(found):
+            return i + int(found[0])
+    return 0
+
+
 class ShuffledDocuments:
     """A shard's tokens with its documents in the order rng draws, each whole and in its own token
     order: slices of it are gathered from the memory map (no copy of the shard). Holds three
-    numbers per document (where it starts in the file, and in this order)."""
+    numbers per document (where it starts in the file, and in this order). The tail of a document
+    cut at the shard's start (cut_tail) is left out: it has no <|endoftext|> before it, and
+    shuffled it would be glued to an unrelated document."""
 
     def __init__(self, tokens, rng):
         starts = document_starts(tokens)
         order = rng.permutation(len(starts))
+        order = order[starts[order] >= cut_tail(tokens)]  # the cut tail out; the others in the order drawn before
         lengths = np.diff(starts, append=len(tokens))[order]
         self.tokens, self.starts = tokens, starts[order]
         self.offsets = np.concatenate(([0], np.cumsum(lengths)))  # where each one starts in this order
 
     def __len__(self):
-        return len(self.tokens)
+        return int(self.offsets[-1])
 
     def __getitem__(self, where):  # a slice [a:b] of the shuffled stream
-        a, b = where.start, min(where.stop, len(self.tokens))
+        a, b = where.start, min(where.stop, len(self))
         i = int(np.searchsorted(self.offsets, a, side='right')) - 1  # the document holding token a
         parts = []
         while a < b:

@@ -27,15 +27,16 @@ from checkpoint import TrainState
 import run_record
 from configurator import accumulation_steps, parse_config
 from errors import UserError
-from hardware import autocast, choose_precision, peak_flops, pick_device, reuse_freed_memory
+from hardware import autocast, choose_precision, peak_flops, pick_device, pinned, reuse_freed_memory
 from hellaswag import evaluate as evaluate_hellaswag, load_for_training
 from model import GPT, GPTConfig, flops_per_token
 from parallel import (agree, clip_grad_norm, end_process_group, rank as process_rank, require_backward_grad_sync,
-                      restart_store, shard_fsdp, state_mib, whole_models, world_size, wrap_ddp)
+                      gave_up, restart_store, shard_fsdp, start_patient_group, state_mib, wait_for_all, whole_models,
+                      world_size, wrap_ddp, zero_grad)
 from sample import training_samples
 from schedule import get_lr
-from shards import ShuffledDocuments, find_shards, load_val_tokens, open_shard
-from tokenizer import utf8_bytes
+from shards import ShuffledDocuments, cut_tail, find_shards, load_val_tokens, open_shard
+from tokenizer import token_byte_lengths
 
 # -----------------------------------------------------------------------------
 # config: the defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu (build-nanogpt's run)
@@ -85,6 +86,7 @@ dtype = "auto"  # auto (what the hardware does fast, printed at start), bfloat16
 compile = "auto"  # torch.compile the model: auto = on CUDA (slow to start, faster to run), off elsewhere; True, False
 cpu_reuse_memory = True  # CPU on Linux: keep freed memory for reuse: faster steps, more peak RSS (docs/benchmarks.md)
 parallel = "ddp"  # with torchrun: "ddp" (a whole copy of the state per GPU) or "fsdp" (sharded: parallel.py)
+collective_timeout = 600  # seconds a rank waits for the others (a stuck rank), not for rank 0's work alone (docs/ddp.md)
 seed = 1337
 # Weights & Biases (rank 0; the numbers of log.txt): pip install -r requirements-wandb.txt
 wandb_log = False
@@ -101,7 +103,7 @@ rank, world = 0, 1  # this process among all, set by main() from torchrun's envi
 config = DEFAULTS  # set by main(): the constants as run, recorded in run.json and the checkpoints
 
 
-def setup_device(device, cpu_reuse_memory=False):
+def setup_device(device, cpu_reuse_memory=False, collective_timeout=600):
     """(rank, world_size, device): torchrun's RANK means DDP, one process per device."""
     ddp = 'RANK' in os.environ
     rank, local_rank, world = 0, 0, 1
@@ -114,9 +116,10 @@ def setup_device(device, cpu_reuse_memory=False):
     if device == 'cpu' and cpu_reuse_memory:
         reuse_freed_memory()
     if ddp:  # NCCL between GPUs, gloo between CPU processes; the store: see parallel.restart_store
-        cuda = device.startswith('cuda')  # timeout: the others wait while rank 0 alone writes a checkpoint
+        cuda = device.startswith('cuda')  # timeout: a stuck rank ends the run (rank 0's long work: wait_for_all)
         dist.init_process_group(backend='nccl' if cuda else 'gloo', store=restart_store(), rank=rank, world_size=world,
-                                device_id=torch.device(device) if cuda else None, timeout=timedelta(minutes=60))
+                                device_id=torch.device(device) if cuda else None, timeout=timedelta(seconds=collective_timeout))
+        start_patient_group()
     return rank, world, device
 
 
@@ -136,11 +139,12 @@ class DataLoaderLite:
         self.rank, self.world, self.accum = process_rank, num_processes, accum_steps
         self.step_tokens = B * T * num_processes * accum_steps
         self.shards = find_shards(data_root, split)
-        lengths = [len(open_shard(path)) for path in self.shards]
+        lengths = [len(t) - (cut_tail(t) if shuffle else 0) for t in map(open_shard, self.shards)]  # shuffled: no tail
         for path, n in zip(self.shards, lengths):  # fail now, not hours into the run
             if n < self.step_tokens + 1:
-                raise UserError(f"{path}: {n} tokens, shorter than one batch of B*T*world_size*grad_accum_steps + 1 "
-                                f"= {B}*{T}*{num_processes}*{accum_steps} + 1 = {self.step_tokens + 1} tokens")
+                raise UserError(f"{path}: {n} tokens{' (less its cut first document)' * shuffle}, shorter than one "
+                                f"batch of B*T*world_size*grad_accum_steps + 1 = {B}*{T}*{num_processes}*{accum_steps} "
+                                f"+ 1 = {self.step_tokens + 1} tokens")
         self.n_tokens, self.steps_per_epoch = sum(lengths), sum((n - 1) // self.step_tokens for n in lengths)
         self.open(0, 0, 0)
 
@@ -195,33 +199,38 @@ class DataLoaderLite:
 
 @torch.no_grad()  # and no graph per batch: each would hold its batch's activations and logits
 def evaluate(model, tokens, B, T, device, dtype):
-    """Mean loss over the len(tokens) // T sequences of T tokens in tokens, all ranks together.
-    Rank r scores the sequences r, r + world, ...: the value does not depend on world."""
+    """(mean loss, bits per byte) over the len(tokens) // T sequences of T tokens, all ranks together;
+    rank r scores the sequences r, r + world, ...: the values do not depend on world. Bits per byte
+    as nanochat's: the loss in bits of the targets that decode to text over their UTF-8 bytes
+    (<|endoftext|>, 0 bytes, is out of both). Every batch has B rows: one shape, one compiled graph."""
     rank, world = process_rank(), world_size()
     model.eval()
-    n_seq = (len(tokens) - 1) // T
+    n_seq, n_bytes = (len(tokens) - 1) // T, token_byte_lengths()
     mine = range(rank, n_seq, world)
-    loss_sum = torch.zeros((), device=device)
+    sums = torch.zeros(2, device=device)  # the loss summed over all targets, and over those with text
     for i in range(0, len(mine), B):
-        rows = np.stack([tokens[j * T:j * T + T + 1] for j in mine[i:i + B]]).astype(np.int64)  # (b, T+1)
-        x, y = torch.from_numpy(rows[:, :-1]).to(device), torch.from_numpy(rows[:, 1:]).to(device)
+        rows = np.full((B, T + 1), -1)  # the rows past this rank's last sequence: padding, target -1, no loss
+        rows[:len(mine[i:i + B])] = [tokens[j * T:j * T + T + 1] for j in mine[i:i + B]]  # (B, T+1)
+        text = torch.from_numpy((n_bytes[rows[:, 1:]] > 0) & (rows[:, 1:] >= 0)).to(device)  # targets that decode to text
+        x, y = torch.from_numpy(rows[:, :-1].clip(0)).to(device), torch.from_numpy(rows[:, 1:]).to(device)
         with autocast(device, dtype):
-            _, loss = model(x, y)
-        loss_sum += loss.float() * y.numel()
+            _, losses = model(x, y, reduction='none')  # (B, T)
+        sums += torch.stack((losses.sum(), (losses * text).sum())).float()
     if world > 1:
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     model.train()
-    return loss_sum.item() / (n_seq * T)
+    loss_sum, text_loss = sums.tolist()
+    text_bytes = int(n_bytes[tokens[1:n_seq * T + 1]].sum())
+    return loss_sum / (n_seq * T), text_loss / math.log(2) / max(1, text_bytes)
 
 
-def evals_and_samples(state, val_data, val_bytes, hella_data, do_eval, do_sample):
+def evals_and_samples(state, val_data, hella_data, do_eval, do_sample):
     """This step's val loss (returned, or None) with its bits per byte, and HellaSwag, all ranks
     together, and rank 0's samples; rank 0 prints and logs them. Under FSDP they run on a gathered
     copy of the model, which is freed when this function returns."""
     model, raw_model = whole_models(state.model, state.raw_model, state.optimizer, device)
-    step, val_loss = state.step, evaluate(model, val_data, B, T, device, dtype) if do_eval else None
-    if do_eval and rank == 0:  # bits per byte: the summed loss in bits over the bytes of the val targets' text
-        bpb = val_loss * (len(val_data) - 1) / math.log(2) / max(1, val_bytes)
+    step, (val_loss, bpb) = state.step, evaluate(model, val_data, B, T, device, dtype) if do_eval else (None, None)
+    if do_eval and rank == 0:
         print(f"step {step:5d} | val loss {val_loss:.4f} | val bpb {bpb:.4f}")
         run_record.log(log_dir, f"{step} val {val_loss:.4f}")
         run_record.log(log_dir, f"{step} bpb {bpb:.4f}")
@@ -242,16 +251,16 @@ def evals_and_samples(state, val_data, val_bytes, hella_data, do_eval, do_sample
 # training: one optimizer step, gradient accumulation over micro-batches
 
 def train_step(state, grad_accum_steps, lr, grad_clip, device, dtype):
-    """One optimizer step over grad_accum_steps micro-batches: (mean loss, grad norm, ok, overflow).
-    A non-finite loss or norm (the same on every rank) skips the update; overflow: float16 loss
-    scaling at work (the scaler halves its scale), not a bad step."""
+    """One optimizer step over grad_accum_steps micro-batches: (mean loss, grad norm, ok, overflow). A
+    non-finite loss or norm (alike on every rank) skips the update, on the device: the host reads nothing
+    before it is queued (docs/ddp.md, 8). overflow: float16 loss scaling at work, not a bad step."""
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
     model.train()
-    optimizer.zero_grad(set_to_none=True)
+    zero_grad(model, optimizer)  # DDP: in place, in its buckets
     loss_accum = torch.zeros((), device=device)
     for micro_step in range(grad_accum_steps):
-        x, y = state.loader.next_batch()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = state.loader.next_batch()  # on CUDA copied from pinned memory: the host does not wait for it
+        x, y = ((t.pin_memory() if pinned(device) else t).to(device, non_blocking=True) for t in (x, y))
         # DDP all-reduces (FSDP reduce-scatters) the gradients in the backward of the last micro-step only
         require_backward_grad_sync(model, micro_step == grad_accum_steps - 1)
         with autocast(device, dtype):
@@ -264,13 +273,15 @@ def train_step(state, grad_accum_steps, lr, grad_clip, device, dtype):
         loss_accum /= dist.get_world_size()
     scaler.unscale_(optimizer)  # float16: the gradients back to their true size, before clipping
     norm = clip_grad_norm(model, grad_clip)  # the global norm, the same on every rank
-    finite_loss, finite_norm = torch.stack((torch.isfinite(loss_accum), torch.isfinite(norm))).tolist()  # one wait
+    finite = torch.stack((torch.isfinite(loss_accum), torch.isfinite(norm)))  # on the device: nothing waits
+    for group in optimizer.param_groups:
+        group['lr'] = lr * group.get('lr_scale', 1.0)  # muon: its groups' lr is muon_lr / max_lr times lr
+    optimizer.found_inf = (~finite.all()).float()  # 1: fused AdamW (and muon.py) leave weights and state as they are
+    optimizer.step()
+    del optimizer.found_inf
+    finite_loss, finite_norm = finite.tolist()  # the step's first wait, once its update is queued
     ok = finite_loss and finite_norm
     scale = scaler.get_scale() if finite_loss and not finite_norm else 0  # read only then: on a GPU it waits
-    if ok:
-        for group in optimizer.param_groups:
-            group['lr'] = lr * group.get('lr_scale', 1.0)  # muon: its groups' lr is muon_lr / max_lr times lr
-        optimizer.step()
     scaler.update()  # float16: halve the scale after an inf/nan gradient, double it after 2000 clean steps
     # float16 overflow: inf/nan gradients of a finite loss made the scaler lower its scale; at <= 1, a bad step
     overflow = scale > 1 and scaler.get_scale() < scale
@@ -288,16 +299,23 @@ def main(argv=None):
     except UserError as e:
         sys.exit(f"error: {e}" if master else 1)
     globals().update(config)  # the rest reads the constants, as overridden
-    rank, world, device = setup_device(device, cpu_reuse_memory)  # device: "auto" made concrete
-    code = None
+    rank, world, device = setup_device(device, cpu_reuse_memory, collective_timeout)  # device: "auto" made concrete
+    code = error = None
     try:
         config = choose_precision(config, device)  # the same dtype on every rank
         dtype, compile = config['dtype'], config['compile']
         code = run()
     except UserError as e:
-        sys.exit(f"error: {e}" if master else 1)  # one line on stderr, exit code 1
+        error = f"error: {e}" if master else ''  # one line on stderr, exit code 1
+    except RuntimeError as e:  # a collective that gave up waiting: another rank is stuck or gone
+        if not (error := gave_up(e, rank, collective_timeout)):
+            raise
     finally:
+        if error:
+            print(error, file=sys.stderr, flush=True)  # before the teardown, which a rank that is gone can hold up
         end_process_group(finished=code is not None)
+    if error is not None:
+        sys.exit(1)
     run_record.wandb_finish()  # rank 0's upload, after the final barrier: no rank waits on it
     if code:
         sys.exit(code)
@@ -307,8 +325,7 @@ def run():
     """Set up the data, the model (fresh, pretrained or resumed) and the optimizer, then train;
     returns the exit code: 0, or checkpoint.EXIT_PREEMPTED after a SIGTERM."""
     master = rank == 0
-    if agree(bool(busy := checkpoint.lock_log_dir(log_dir) if master else '')):  # one run per log_dir
-        raise UserError(busy or f"log_dir={log_dir} is in use by another run")
+    checkpoint.claim_log_dir(log_dir)  # one run per log_dir: rank 0 locks log_dir/run.lock
     torch.manual_seed(seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
     if device.startswith('cuda'):
         torch.set_float32_matmul_precision('high')  # TF32 for the float32 matmuls
@@ -325,7 +342,6 @@ def run():
     loader = DataLoaderLite(B, T, rank, world, 'train', data_root, grad_accum_steps, raw_model.config.vocab_size,
                             shuffle, seed)
     val_data = load_val_tokens(data_root, val_tokens // T * T, raw_model.config.vocab_size) if eval_interval > 0 else None
-    val_bytes = utf8_bytes(val_data[1:]) if eval_interval > 0 else 0  # what the val targets decode to: for bpb
     raw_model.to(device)  # not wrapped: state_dict without prefixes; sharded in place under FSDP
     if parallel == 'fsdp' and dist.is_initialized():  # torchrun; one process is one shard (gpu_check.py)
         shard_fsdp(raw_model)  # before the optimizer, which must see the shards
@@ -333,11 +349,8 @@ def run():
     scaler = torch.amp.GradScaler(torch.device(device).type, enabled=dtype == 'float16')  # a no-op unless float16
     state = TrainState(raw_model, raw_model, opt, scaler, loader)
     if ckpt is not None:
-        checkpoint.restore(state, ckpt, ckpt_path, max_bad_steps)
+        checkpoint.restore(state, ckpt, ckpt_path, max_bad_steps)  # says what it resumes from
         del ckpt  # the memory map
-        if master:
-            print(f"resuming from {ckpt_path}: step {state.step}, train data at {loader.state()['file']} "
-                  f"token {loader.pos:,}")
         if state.step > max_steps or (state.step == max_steps and state.evaluated):
             if master:
                 print(f"nothing to do: {ckpt_path} is step {state.step} and max_steps={max_steps}; raise max_steps to "
@@ -347,7 +360,7 @@ def run():
         print(f"parameters: {sum(p.numel() for p in raw_model.parameters()):,}")
         print(f"train data: {loader.n_tokens:,} tokens, {loader.steps_per_epoch:,} steps per epoch at {total_batch_size:,} "
               f"tokens per step; max_steps={max_steps} is {max_steps / loader.steps_per_epoch:.2f} epochs")
-    state.model = torch.compile(raw_model) if compile else raw_model
+    state.model = torch.compile(raw_model, dynamic=False) if compile else raw_model  # static shapes: one training graph
     if world > 1 and parallel == 'ddp':  # gradients all-reduced during backward; rank 0's weights everywhere
         state.model = wrap_ddp(state.model, device)
     hella_data = load_for_training(hellaswag_file, raw_model) if hellaswag and eval_interval > 0 else None
@@ -356,7 +369,7 @@ def run():
         if wandb_log:
             run_record.wandb_start(config, log_dir)
     run_record.write(log_dir, config, state.step, ckpt_path, device)  # log_dir/run.json
-    return train(state, val_data, val_bytes, hella_data, grad_accum_steps)
+    return train(state, val_data, hella_data, grad_accum_steps)
 
 
 def build_model(ckpt, ckpt_path):
@@ -377,38 +390,29 @@ def build_model(ckpt, ckpt_path):
     return model
 
 
-def train(state, val_data, val_bytes, hella_data, grad_accum_steps):
+def train(state, val_data, hella_data, grad_accum_steps):
     """The loop; returns the exit code. state.step = updates done: the model as it is is evaluated,
     sampled and checkpointed when due, then (unless it is the last step) updated: step -> step + 1."""
     master, start = rank == 0, state.step
-
-    def preempted(val_loss, saved):  # SIGTERM or Ctrl-C: the state after state.step updates, then exit 75
-        if not saved:  # rank 0 writes it; every rank learns whether it worked
-            checkpoint.save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints)
-        if master:
-            print(f"{checkpoint.stop_requested or 'SIGTERM'}: stopped at step {state.step}; wrote "
-                  f"{os.path.join(log_dir, f'model_{state.step:05d}.pt')}; run the same command again to resume "
-                  f"(exit code {checkpoint.EXIT_PREEMPTED})")
-        return checkpoint.EXIT_PREEMPTED
-
     checkpoint.listen_for_stop_signals()  # from here SIGTERM and Ctrl-C only set a flag, read at step boundaries
     if master:  # MFU: model FLOPs per second over the peak of all processes' devices
         fpt, (peak, peak_from) = flops_per_token(state.raw_model.config, T), peak_flops(device, dtype)
         print(f"mfu: against {peak / 1e12:.4g} TFLOP/s per process ({peak_from}), {fpt / 1e6:.4g} MFLOP per token")
+    wait_for_all()  # rank 0 alone wrote run.json, started W&B and timed a matmul
     for step in range(start, max_steps + 1):
         last_step = step == max_steps
         if agree(bool(checkpoint.stop_requested)):  # SIGTERM or Ctrl-C on any rank: all stop here together
-            return preempted(None, saved=state.evaluated)  # evaluated: resumed from a checkpoint of this step
+            return checkpoint.stop_on_signal(state, None, state.evaluated, config, keep_checkpoints)  # evaluated: saved
         do_checkpoint = last_step or (checkpoint_interval > 0 and step > 0 and step % checkpoint_interval == 0)
         do_eval = eval_interval > 0 and (step % eval_interval == 0 or last_step or do_checkpoint)
         do_sample = sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step)
         if not state.evaluated and (do_eval or do_sample or do_checkpoint):
-            val_loss = evals_and_samples(state, val_data, val_bytes, hella_data, do_eval, do_sample) if do_eval or do_sample else None
+            val_loss = evals_and_samples(state, val_data, hella_data, do_eval, do_sample) if do_eval or do_sample else None
             state.evaluated = True
             if do_checkpoint:
                 checkpoint.save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints)
             if not last_step and agree(bool(checkpoint.stop_requested)):  # a stop signal during the evals
-                return preempted(val_loss, saved=do_checkpoint)
+                return checkpoint.stop_on_signal(state, val_loss, do_checkpoint, config, keep_checkpoints)
         if last_step:
             return 0
 
@@ -438,11 +442,7 @@ def train(state, val_data, val_bytes, hella_data, grad_accum_steps):
             elif not ok:
                 run_record.log(log_dir, f"{step} skip {state.bad_steps}")
         if state.bad_steps >= max_bad_steps:  # stop with a checkpoint: the weights are the last good update's
-            checkpoint.save_checkpoint(state, None, config, log_dir, keep_checkpoints)
-            raise UserError(f"stopped after {state.bad_steps} steps in a row with a non-finite loss or gradient norm "
-                            f"(max_bad_steps={max_bad_steps}); {os.path.join(log_dir, f'model_{step + 1:05d}.pt')} "
-                            f"holds the last good weights, with the data position after the skipped batches; "
-                            f"lower max_lr or check the data, then raise max_bad_steps to resume from it")
+            checkpoint.stop_after_bad_steps(state, config, keep_checkpoints)
 
 
 if __name__ == "__main__":

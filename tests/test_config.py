@@ -48,6 +48,7 @@ def test_overrides_parse_as_literals_and_keep_types(tmp_path):
     (["config/missing.py"], r"config file 'config/missing.py' not found"),
     (["--B=0"], r"config key 'B' must be positive, got 0"),
     (["--T=-4"], r"config key 'T' must be positive, got -4"),
+    (["--collective_timeout=0"], r"config key 'collective_timeout' must be positive, got 0"),
     (["--max_steps=-1"], r"config key 'max_steps' must be >= 0, got -1"),
     (["--n_head=5"], r"n_embd=768 must be a multiple of n_head=5"),
     (["--dtype=float8"], r"config key 'dtype' must be 'auto', 'bfloat16', 'float16' or 'float32', got 'float8'"),

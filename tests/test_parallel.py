@@ -202,18 +202,21 @@ def test_the_tied_weight_is_gathered_and_saved_once(ddp2, fsdp2):
         assert torch.equal(wte, head) and wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr(), log_dir
 
 
-def test_process_group_outwaits_rank_0s_work_alone(monkeypatch):
-    """Issue 21.12: while rank 0 checksums and writes a checkpoint (~19 GB at 1558M), or reads
-    candidates at a resume, the others wait in a collective; NCCL's default 10 minutes (then
-    torchrun aborts) is too short, so the group gets an hour."""
+def test_the_process_group_waits_collective_timeout_and_rank_0s_work_alone_longer(monkeypatch):
+    """Issue 27.5 (was 21.12): every collective of the group gives up after collective_timeout
+    seconds; the barrier after rank 0's long work alone (parallel.wait_for_all) is a gloo group
+    of its own that waits a week. test_step.py runs both on real processes."""
     from datetime import timedelta
+    import parallel
     import train_gpt2
-    seen = {}
+    seen, groups = {}, []
     monkeypatch.setattr(train_gpt2.dist, "init_process_group", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(parallel.dist, "new_group", lambda **kw: groups.append(kw))
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
         monkeypatch.setenv(k, v)
-    assert train_gpt2.setup_device("cpu") == (0, 2, "cpu")
-    assert seen["backend"] == "gloo" and seen["timeout"] >= timedelta(minutes=60)
+    assert train_gpt2.setup_device("cpu", collective_timeout=42) == (0, 2, "cpu")
+    assert seen["backend"] == "gloo" and seen["timeout"] == timedelta(seconds=42)
+    assert groups == [{"backend": "gloo", "timeout": timedelta(days=7)}]
 
 
 PROBE = """

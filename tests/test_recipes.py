@@ -129,8 +129,9 @@ def test_muon_on_two_processes_logs_what_one_does(data, tmp_path):
     1 process (to 1e-5). Its checkpoint then resumes on 1 process (elastic resume). The all-reduce
     sums in another order, and Muon's Newton-Schulz step rounds to bf16, which turns some of those
     last-bit differences into bf16 ones: a small lr (as test_train's DDP test takes for AdamW)
-    keeps them under 1e-5 (at muon_lr=3e-3 they reach 4e-5)."""
-    muon = [*MUON, "--muon_lr=5e-4"]
+    keeps them under 1e-5 (at muon_lr=3e-3 they reach 4e-5; at 5e-4, 1.1e-5 since AdamW runs fused on
+    the CPU too, issue 27; at 3e-4, 4e-6)."""
+    muon = [*MUON, "--muon_lr=3e-4"]
     r = run_script(args(data, tmp_path / "one", *muon))
     assert r.returncode == 0, r.stderr
     r = run_script(args(data, tmp_path / "two", *muon), nproc=2)
@@ -184,9 +185,10 @@ def test_muon_with_compile_float16_and_bf16(data, tmp_path):
 # --- val bits per byte ----------------------------------------------------------------------------
 
 def test_val_bits_per_byte_against_brute_force(tmp_path, enc):
-    """The logged bpb: the summed loss in bits over the val targets, over the UTF-8 bytes of their
-    text (<|endoftext|> has none), here computed the slow way: each sequence's loss summed token by
-    token, and the bytes from decoding the targets."""
+    """The logged bpb, as nanochat counts it: the summed loss in bits of the val targets that decode
+    to text, over their UTF-8 bytes (<|endoftext|>, 0 bytes, is left out of both sides: issue 27.7),
+    here computed the slow way: each sequence's loss summed token by token, and the bytes from
+    decoding the targets."""
     rng = np.random.default_rng(7)
     words = "the of water light house ran slowly über naïve café ☃ 数据 and then".split()
     text = "".join(f"<|endoftext|>{' '.join(rng.choice(words, 40))}" for _ in range(40))
@@ -208,7 +210,7 @@ def test_val_bits_per_byte_against_brute_force(tmp_path, enc):
             x = torch.tensor(tokens[i:i + 32].astype(np.int64))[None]
             y = torch.tensor(tokens[i + 1:i + 33].astype(np.int64))
             logits = model(x)[0][0].float()
-            nats += sum(-torch.log_softmax(logits[t], -1)[y[t]].item() for t in range(32))
+            nats += sum(-torch.log_softmax(logits[t], -1)[y[t]].item() for t in range(32) if y[t] != 50256)
     targets = [int(t) for t in tokens[1:1025] if t != 50256]
     n_bytes = len(enc.decode_bytes(targets))
     assert n_bytes > 1024 and any(t == 50256 for t in tokens[1:1025])  # multi-byte text, and separators
@@ -220,7 +222,9 @@ def test_val_bits_per_byte_against_brute_force(tmp_path, enc):
 
 def test_defaults_train_step_for_step_as_before_issue_22(data, tmp_path):
     """The code before issue 22 (commit cb9e534, from git) and today's, the same small run with the
-    defaults (AdamW, cosine): the same train and val losses to 1e-6."""
+    defaults (AdamW, cosine): the same val losses to 1e-6, the same train losses to the last printed
+    digit (2e-6: AdamW runs fused on the CPU since issue 27, which rounds apart from foreach by an ulp
+    now and then)."""
     r = subprocess.run(["git", "-C", ROOT, "archive", "cb9e534"], capture_output=True)
     if r.returncode != 0:
         pytest.skip(f"no git history here: {r.stderr.decode()[:200]}")
@@ -234,6 +238,6 @@ def test_defaults_train_step_for_step_as_before_issue_22(data, tmp_path):
         assert r.returncode == 0, r.stderr
         logs[name] = read_log(tmp_path / name)
     assert logs["old"]["train"].keys() == logs["new"]["train"].keys() == set(range(20))
-    for kind in ("train", "val"):
-        assert all(abs(logs["old"][kind][s] - logs["new"][kind][s]) <= 1e-6 for s in logs["old"][kind]), kind
+    for kind, tol in (("train", 2e-6), ("val", 1e-6)):
+        assert all(abs(logs["old"][kind][s] - logs["new"][kind][s]) <= tol for s in logs["old"][kind]), kind
     assert "bpb" in logs["new"] and "bpb" not in logs["old"]

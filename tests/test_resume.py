@@ -456,8 +456,9 @@ def test_samples_are_trimmed_too(tmp_path):
 
 
 def test_resumed_optimizer_keeps_this_devices_settings():
-    """Issue 21.6: a checkpoint's param groups carry the saving device's AdamW settings (fused on a
-    GPU); restore keeps the fresh optimizer's (the device it resumes on) and the checkpoint's state."""
+    """Issue 21.6: a checkpoint's param groups carry the saving run's AdamW settings (foreach, as
+    written before issue 27 made AdamW fused everywhere); restore keeps the fresh optimizer's and
+    the checkpoint's state."""
     import checkpoint
     from model import GPT, GPTConfig
     torch.manual_seed(0)
@@ -467,17 +468,22 @@ def test_resumed_optimizer_keeps_this_devices_settings():
     opt.step()
     saved = opt.state_dict()
     for group in saved["param_groups"]:
-        group.update(fused=True, foreach=None)  # as a CUDA run writes them
+        group.update(fused=False, foreach=True)  # as an older CPU run wrote them
 
     class Loader:
+        pos = 0
+
         def load_state(self, state, source):
             pass
+
+        def state(self):
+            return {"file": "edufineweb_train_000000.npy"}
     state = checkpoint.TrainState(m, m, m.configure_optimizers(0.1, 1e-3, "cpu"), torch.amp.GradScaler("cpu", enabled=False),
                                   Loader())
     ckpt = {"model": m.state_dict(), "optimizer": saved, "loader": {}, "rng": checkpoint.rng_state("cpu"), "step": 1,
             "evaluated": False, "bad_steps": 0}
     checkpoint.restore(state, ckpt, "model_00001.pt", max_bad_steps=5)
-    assert [(g["fused"], g["foreach"]) for g in state.optimizer.param_groups] == [(False, None)] * 2
+    assert [(g["fused"], g["foreach"]) for g in state.optimizer.param_groups] == [(True, None)] * 2
     assert torch.equal(state.optimizer.state[next(m.parameters())]["exp_avg"], opt.state[next(m.parameters())]["exp_avg"])
 
 

@@ -17,7 +17,7 @@ from train_gpt2 import DataLoaderLite, UserError
 
 T = 4
 VOCAB = 50304  # GPT-2's padded vocabulary: EOT (50256) is below it
-LENGTHS = [145, 121, 192, 83, 100]  # tails of 1, 9, 16, 3, 4 tokens at 16 tokens a step
+LENGTHS = [145, 121, 192, 83, 100]  # in file order: tails of 1, 9, 16, 3, 4 tokens at 16 tokens a step
 KEYS = ("epoch", "shard", "pos", "file", "shuffle", "seed")  # what state() holds at least
 
 
@@ -25,6 +25,13 @@ def document_shards(folder, lengths, seed=0):
     """Train shards of documents as fineweb.py writes them (EOT, then 1..11 tokens), every token
     but EOT unique across all shards, so a token tells its shard and place. Even shards begin
     mid-document (no EOT at token 0), odd ones with an EOT; none ends with an EOT."""
+    shards = make_document_shards(lengths, seed)
+    write_shards(folder, "train", shards)
+    write_shards(folder, "val", [np.arange(300) % 500])
+    return shards
+
+
+def make_document_shards(lengths, seed):
     rng, next_id, shards = np.random.default_rng(seed), 0, []
     for s, n in enumerate(lengths):
         tokens = []
@@ -38,8 +45,6 @@ def document_shards(folder, lengths, seed=0):
             next_id += 1
         shards.append(np.array(tokens, dtype=np.uint16))
     assert next_id < EOT
-    write_shards(folder, "train", shards)
-    write_shards(folder, "val", [np.arange(300) % 500])
     return shards
 
 
@@ -56,6 +61,21 @@ def documents(tokens):
     return np.split(np.asarray(tokens), starts)
 
 
+def shuffled_documents(tokens):
+    """What shuffling orders: the documents, less a shard's first one when it has no EOT before it
+    (the tail of a document cut at the shard's start) and others follow (issue 27.8)."""
+    docs = documents(tokens)
+    return docs[1:] if tokens[0] != EOT and len(docs) > 1 else docs
+
+
+def stream_lengths(lengths, seed=0):
+    """The shuffled streams' lengths of document_shards(lengths, seed): the shards less their cut tails."""
+    return [sum(map(len, shuffled_documents(t))) for t in make_document_shards(lengths, seed)]
+
+
+STREAMS = stream_lengths(LENGTHS)
+
+
 def reference_runs(shards, step_tokens, n_steps, shuffle=True, seed=1337):
     """Brute force of the spec: [(run of step_tokens + 1 tokens, epoch, k, file index)] per step,
     shard after shard of each epoch's order, each shard's stream front to back."""
@@ -65,10 +85,10 @@ def reference_runs(shards, step_tokens, n_steps, shuffle=True, seed=1337):
         for k, i in enumerate(order):
             stream = shards[i]
             if shuffle:
-                docs = documents(stream)
-                order_i = np.random.default_rng([seed, epoch, i]).permutation(len(docs))
-                stream = np.concatenate([docs[j] for j in order_i])
-                assert len(stream) == len(shards[i])
+                docs, kept = documents(stream), shuffled_documents(stream)
+                order_i = np.random.default_rng([seed, epoch, i]).permutation(len(docs))  # drawn over all
+                stream = np.concatenate([docs[j] for j in order_i if j > 0 or len(kept) == len(docs)])  # less the tail
+                assert len(stream) == sum(map(len, kept))
             out += [(stream[p:p + step_tokens + 1], epoch, k, i)
                     for p in range(0, len(stream) - step_tokens, step_tokens)]
         epoch += 1
@@ -115,10 +135,11 @@ def test_every_document_is_read_once_per_epoch_in_the_drawn_order(docs):
     folder, shards = docs
     step_tokens = 16
     loader, = make_loaders(folder, 1, 2, B=2, shuffle=True, seed=1337)
-    spe = sum((n - 1) // step_tokens for n in LENGTHS)
+    shards = [np.concatenate(shuffled_documents(tokens)) for tokens in shards]  # the cut tails are never read
+    spe = sum((len(tokens) - 1) // step_tokens for tokens in shards)
     assert loader.steps_per_epoch == spe and loader.epoch == 0
     runs, epochs = read_steps([loader], 2, spe)
-    ref = reference_runs(shards, step_tokens, spe)
+    ref = reference_runs(docs[1], step_tokens, spe)
     assert_same_runs(runs, [r[0] for r in ref])
     assert epochs == [0] * spe
 
@@ -137,7 +158,7 @@ def test_every_document_is_read_once_per_epoch_in_the_drawn_order(docs):
         assert len(set(content.tolist())) == len(content)  # nothing twice
         # cut the read stream where the document changes: an EOT is of the document of the token
         # after it (-1: an EOT that ends the read stream, the start of a document left unread)
-        docs_s = documents(tokens)
+        docs_s = shuffled_documents(tokens)
         doc_of = {int(t): d for d, doc in enumerate(docs_s) for t in doc if t != EOT}
         ids = [doc_of[int(t)] if t != EOT else doc_of[int(read[i + 1])] if i + 1 < len(read) else -1
                for i, t in enumerate(read)]
@@ -156,7 +177,7 @@ def test_order_is_drawn_per_epoch_from_the_seed(docs):
     epoch 0, the same stream for the same seed, another for another seed; each against the
     reference's draws."""
     folder, shards = docs
-    step_tokens, spe = 16, sum((n - 1) // 16 for n in LENGTHS)
+    step_tokens, spe = 16, sum((n - 1) // 16 for n in STREAMS)
     a, _ = read_steps(make_loaders(folder, 1, 1, B=4, shuffle=True, seed=1337), 1, 2 * spe)
     b, epochs = read_steps(make_loaders(folder, 1, 2, B=2, shuffle=True, seed=1337), 2, 2 * spe)
     c, _ = read_steps(make_loaders(folder, 1, 1, B=4, shuffle=True, seed=7), 1, 2 * spe)
@@ -189,7 +210,7 @@ def test_same_tokens_per_step_for_any_world_size_and_accumulation(docs, world, a
     """Over 2.5 epochs: the chunks in chunk order make the same run per step as world=1, accum=4
     reads, and as the brute-force reference; steps_per_epoch and epoch are the same too."""
     folder, shards = docs
-    spe = sum((n - 1) // 32 for n in LENGTHS)
+    spe = sum((n - 1) // 32 for n in STREAMS)
     n = spe * 5 // 2
     loaders = make_loaders(folder, world, accum, B, shuffle=True)
     assert {loader.steps_per_epoch for loader in loaders} == {spe}
@@ -205,8 +226,8 @@ def test_same_tokens_per_step_for_any_world_size_and_accumulation(docs, world, a
 def resume_points():
     """Steps after which to stop: mid-epoch inside a shard, at the first change of shard, exactly
     at the epoch boundary, just after it, and later in epoch 1."""
-    spe = sum((n - 1) // 32 for n in LENGTHS)
-    ref = reference_runs([np.zeros(n) for n in LENGTHS], 32, 2 * spe)
+    spe = sum((n - 1) // 32 for n in STREAMS)
+    ref = reference_runs([np.zeros(n) for n in STREAMS], 32, 2 * spe)
     first_change = next(s for s in range(1, spe) if ref[s][2] != ref[s - 1][2])
     return {"mid-epoch": spe // 2 + 1, "shard change": first_change, "epoch boundary": spe, "just after": spe + 1,
             "in epoch 1": spe + first_change + 1}
@@ -219,7 +240,7 @@ def test_resume_from_state_onto_another_layout_continues_the_stream(docs, point,
     32 tokens a step): the next 1.5 epochs are the uninterrupted loader's, and the reference's."""
     folder, shards = docs
     n = resume_points()[point]
-    spe = sum((k - 1) // 32 for k in LENGTHS)
+    spe = sum((k - 1) // 32 for k in STREAMS)
     first = make_loaders(folder, *before, shuffle=True)
     read_steps(first, before[1], n)
     state = first[0].state()
@@ -290,7 +311,7 @@ def test_another_seed_or_shuffle_than_the_checkpoint_is_a_one_line_error(docs, w
 
 # the slow one: real processes, one plain run and one of torchrun's 2
 STEPS, STEP_TOKENS = 10, 64
-E2E_LENGTHS = [64 * 3 + 10, 64 * 2 + 40, 64 * 2 + 1]  # 3 + 2 + 2 = 7 steps an epoch
+E2E_LENGTHS = [64 * 3 + 10, 64 * 2 + 40, 64 * 2 + 5]  # shuffled, less the cut tails: 3 + 2 + 2 = 7 steps an epoch
 
 
 def test_torchrun_two_processes_log_the_losses_and_epoch_of_one(tmp_path):
@@ -300,7 +321,7 @@ def test_torchrun_two_processes_log_the_losses_and_epoch_of_one(tmp_path):
     loader."""
     data = tmp_path / "data"
     shards = document_shards(data, E2E_LENGTHS, seed=1)
-    spe = sum((n - 1) // STEP_TOKENS for n in E2E_LENGTHS)
+    spe = sum((n - 1) // STEP_TOKENS for n in stream_lengths(E2E_LENGTHS, seed=1))
     assert spe == 7
     common = [*TINY, "--B=2", "--T=16", f"--total_batch_size={STEP_TOKENS}", f"--max_steps={STEPS}",
               "--eval_interval=5", "--val_tokens=256", "--sample_interval=0", "--checkpoint_interval=0",
@@ -329,3 +350,20 @@ def test_torchrun_two_processes_log_the_losses_and_epoch_of_one(tmp_path):
         ckpt = torch.load(os.path.join(log_dir, f"model_{STEPS:05d}.pt"), map_location="cpu", weights_only=True)
         assert ckpt["loader"]["epoch"] == 1
         assert {k: ckpt["loader"][k] for k in KEYS} == {k: loader.state()[k] for k in KEYS}
+
+
+def test_a_document_cut_at_a_shards_start_is_left_out_of_the_shuffled_order(docs):
+    """Issue 27.8: even shards begin with the tail of a document (no EOT before it). Shuffled, every
+    document is read after an EOT of its own, so that tail is never read; in file order it is read
+    where it is, after the end of the shard before."""
+    folder, shards = docs
+    tails = {int(t) for s in range(0, len(shards), 2) for t in documents(shards[s])[0]}
+    assert tails and EOT not in tails
+    for shuffle in (True, False):
+        loader, = make_loaders(folder, 1, 1, B=4, shuffle=shuffle)
+        runs, _ = read_steps([loader], 1, loader.steps_per_epoch)
+        read = {int(t) for run in runs for t in run}
+        assert (read & tails == set()) == shuffle, shuffle
+        if shuffle:  # nothing else is left out: every other document is read (but the shards' unread ends)
+            rest = {int(t) for tokens in shards for t in np.concatenate(shuffled_documents(tokens))} - {EOT}
+            assert len(rest - read) < 16 * len(shards)

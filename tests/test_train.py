@@ -57,8 +57,8 @@ def test_end_to_end_tiny_run(tmp_path, enc):
     model = GPT(GPTConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])  # plain keys: no _orig_mod. or module. prefixes
     # the checkpoint is the model that was evaluated at step 20
-    val = evaluate(model, load_val_tokens(str(data), 512), 4, 32, "cpu", dtype)
-    assert abs(val - ckpt["val_loss"]) < 1e-4
+    val, bpb = evaluate(model, load_val_tokens(str(data), 512), 4, 32, "cpu", dtype)
+    assert abs(val - ckpt["val_loss"]) < 1e-4 and abs(bpb - log["bpb"][20]) < 1e-4
 
 
 def test_ddp_two_processes_equal_one_process(tmp_path):
@@ -176,7 +176,7 @@ def test_evaluate_builds_no_graph():
     seen = []
     model.register_forward_hook(lambda m, i, o: seen.append((torch.is_grad_enabled(), o[1].requires_grad)))
     tokens = np.random.default_rng(0).integers(0, 512, 16 * 5 + 1).astype(np.uint16)
-    loss = evaluate(model, tokens, 2, 16, "cpu", "float32")
+    loss, _ = evaluate(model, tokens, 2, 16, "cpu", "float32")
     assert seen == [(False, False)] * 3 and 5 < loss < 7.5 and model.training
 
 

@@ -1,0 +1,230 @@
+"""Issue 27: the step as 8 GPUs run it, proved on CPU processes over gloo: gradients stay in DDP's
+buckets, the host reads nothing before the update (a skipped step still changes nothing), one
+compiled training graph, a stuck rank ends the run after collective_timeout while rank 0's slow
+work alone does not, and replicas that drift apart stop the run before a checkpoint."""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, TINY, random_shards, read_log
+
+COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=128", "--val_tokens=256",
+          "--sample_interval=0", "--hellaswag=False", "--keep_checkpoints=0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return random_shards(tmp_path_factory.mktemp("data"), 7, 600, [128 * 9 + 30, 128 * 9 + 5])
+
+
+def launch(script, tmp_path, args, nproc, env=(), timeout=300):
+    """script (its text: train_gpt2.main, with faults or probes) run as a user runs train_gpt2.py:
+    torchrun with nproc processes, or plain python (nproc None)."""
+    (tmp_path / "script.py").write_text(script)
+    launcher = [sys.executable] if nproc is None else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                      f"--nproc_per_node={nproc}"]
+    return subprocess.run([*launcher, str(tmp_path / "script.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                                                    PYTHONPATH=ROOT, **dict(env)))
+
+
+def argv(data, log_dir, *extra):
+    return [*COMMON, f"--data_root={data}", f"--log_dir={log_dir}", *extra]
+
+
+# --- gradients in DDP's buckets, no host read before the update, a skipped step changes nothing ----
+
+PROBE = """
+import os, sys, torch, train_gpt2
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.overrides import TorchFunctionMode
+T = torch.Tensor
+READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.cpu, T.numpy}
+rank, NAN_STEP = int(os.environ.get('RANK', 0)), 3
+say = lambda line: sys.stdout.write(line + "\\n") and sys.stdout.flush()  # one write: the ranks' lines stay whole
+
+
+class HostReads(TorchFunctionMode):  # every read of a tensor's value by the host, by name
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in READS:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+counting, calls = [], [0]
+def update_begins(optimizer, args, kwargs):  # the first optimizer.step() of a train_step: stop counting
+    if counting:
+        mode = counting.pop()
+        mode.__exit__(None, None, None)
+        say(f"rank {rank} step {calls[0]} host reads before the update: {mode.seen}")
+register_optimizer_step_pre_hook(update_begins)
+
+step = train_gpt2.train_step
+def probe(state, *a, **k):
+    loader, batch = state.loader, state.loader.next_batch
+    def next_batch():  # micro-step 1 begins: micro-step 0's backward ran without sync
+        if loader.micro == 1:
+            grads = [p.grad for p in state.raw_model.parameters() if p.grad is not None]
+            n = len({g.untyped_storage().data_ptr() for g in grads})
+            say(f"rank {rank} step {calls[0]} gradient storages after a micro-step without sync: {n}")
+        return batch()
+    loader.next_batch = next_batch
+    hook = None
+    if rank == 1 or os.environ.get('WORLD_SIZE') is None:
+        if calls[0] == NAN_STEP:  # a NaN in one rank's gradient: DDP's all-reduce takes it everywhere
+            poison = lambda m, i, out: out.register_hook(lambda g: g * float('nan')) and None
+            hook = state.raw_model.transformer.wpe.register_forward_hook(poison)
+    before = [t.clone() for t in list(state.raw_model.state_dict().values()) +
+              [v for s in state.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]]
+    mode = HostReads()
+    mode.__enter__()
+    counting.append(mode)
+    try:
+        return step(state, *a, **k)
+    finally:
+        loader.next_batch = batch
+        if hook:
+            hook.remove()
+        after = [t for t in list(state.raw_model.state_dict().values()) +
+                 [v for s in state.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]]
+        same = len(before) == len(after) and all(torch.equal(a.view(-1).view(torch.uint8) if a.is_floating_point() else a,
+                                                             b.view(-1).view(torch.uint8) if b.is_floating_point() else b)
+                                                 for a, b in zip(before, after))
+        say(f"rank {rank} step {calls[0]} weights and optimizer state unchanged: {same}")
+        calls[0] += 1
+train_gpt2.train_step = probe
+train_gpt2.main(sys.argv[1:])
+"""
+
+
+def probed(r, what):
+    """{(rank, step): value} of the probe's lines 'rank R step S <what>: value'."""
+    found = re.findall(rf"rank (\d+) step (\d+) {re.escape(what)}: (.*)", r.stdout)
+    return {(int(rank), int(step)): value for rank, step, value in found}
+
+
+@pytest.mark.parametrize("nproc, extra", [(2, ["--optimizer=adamw"]), (2, ["--optimizer=muon", "--muon_lr=3e-3"]),
+                                          (None, ["--dtype=float16"])], ids=["ddp-adamw", "ddp-muon", "one-float16"])
+def test_the_step_waits_for_nothing_before_its_update(data, tmp_path, nproc, extra):
+    """Under DDP with 2 micro-steps, the gradients stay views into DDP's bucket through every
+    micro-step (1 storage, not one per parameter: a second copy of them, 4 bytes per parameter);
+    between a step's start and its optimizer.step() the host reads no tensor (item, tolist, bool,
+    float, int, cpu, numpy), on one process as on two, AdamW as Muon, float16 too. Step 3's
+    gradient is NaN on one rank: the step is skipped on the device (found_inf), its weights and
+    optimizer state stay bit for bit, and it is logged as a bad step (float16: as an overflow);
+    every other step moves them."""
+    steps = 6
+    r = launch(PROBE, tmp_path, argv(data, tmp_path / "log", f"--max_steps={steps}", "--eval_interval=0",
+                                     "--checkpoint_interval=0", *extra), nproc)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    ranks = range(nproc or 1)
+    reads, unchanged = probed(r, "host reads before the update"), probed(r, "weights and optimizer state unchanged")
+    assert set(reads) == set(unchanged) == {(k, s) for k in ranks for s in range(steps)}, r.stdout[-2000:]
+    assert set(reads.values()) == {"[]"}, reads
+    assert all((unchanged[k, s] == "True") == (s == 3) for k in ranks for s in range(steps)), unchanged
+    if nproc:
+        storages = probed(r, "gradient storages after a micro-step without sync")
+        assert storages == {(k, s): "1" for k in ranks for s in range(steps)}, storages
+    log = read_log(tmp_path / "log")  # float16: a NaN gradient is an overflow, the loss scale halved
+    logged = {"overflow": {3: 32768.0}} if "--dtype=float16" in extra else {"skip": {3: 1.0}}
+    assert {k: v for k, v in log.items() if k != "train"} == logged and sorted(log["train"]) == list(range(steps)), log
+
+
+# --- one compiled training graph ----------------------------------------------------------------
+
+def test_the_training_graph_is_compiled_once_with_static_shapes(data, tmp_path):
+    """compile=True, 3 processes: 16 val sequences give the ranks 6, 5 and 5, so with B=2 two
+    ranks' last val batch holds one sequence. Unpadded, Dynamo recompiled GPT.forward for it with
+    a dynamic batch size, and then the training graph with a dynamic size too. Here each rank
+    compiles GPT.forward twice: for the val loss, then once more for training (the only guard that
+    fails is grad mode), no input size is ever symbolic, and nothing recompiles after that."""
+    env = {"TORCH_LOGS": "recompiles,dynamic"}
+    r = launch("import sys, train_gpt2\ntrain_gpt2.main(sys.argv[1:])\n", tmp_path,
+               argv(data, tmp_path / "log", "--compile=True", "--total_batch_size=96", "--max_steps=6",
+                    "--eval_interval=3", "--checkpoint_interval=0"), 3, env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    for rank in range(3):
+        recompiles = re.findall(rf"\[rank{rank}\].*Recompiling function (\w+)", out)
+        reasons = re.findall(rf"\[rank{rank}\].*\[__recompiles\]\s+- (.*)", out)
+        assert recompiles == ["forward"] and [x.split(":", 1)[1].strip() for x in reasons] == ["GLOBAL_STATE changed: grad_mode"], \
+            (rank, recompiles, reasons)
+    inputs = re.findall(r"create_symbol .* for L\['(idx|targets)'\]", out)
+    assert not inputs and "create_symbol" in out, inputs  # the log was on: symbols, but none for an input
+    assert sorted(read_log(tmp_path / "log")["val"]) == [0, 3, 6]
+
+
+# --- waits: a stuck rank ends the run, rank 0's slow work alone does not ---------------------------
+
+FAULTS = """
+import os, sys, time, torch, checkpoint, train_gpt2
+rank, env = int(os.environ['RANK']), lambda k: int(os.environ.get(k, -1))
+step, calls = train_gpt2.train_step, [0]
+def faulty(state, *a, **k):
+    if rank == env('STALL_RANK') and calls[0] == env('STALL_STEP'):  # stuck (until torchrun stops it)
+        print(f"rank {rank} stalls at step {calls[0]}", flush=True)
+        while not checkpoint.stop_requested:
+            time.sleep(0.05)
+        os._exit(1)
+    out = step(state, *a, **k)
+    if rank == env('NUDGE_RANK') and calls[0] == env('NUDGE_STEP'):  # this replica's weights drift off
+        with torch.no_grad():
+            state.raw_model.transformer.wpe.weight[0, 0] += 1e-3
+    calls[0] += 1
+    return out
+train_gpt2.train_step = faulty
+write = checkpoint.atomic_write
+def slow_write(*a, **k):  # rank 0 alone: a checkpoint write slower than collective_timeout
+    time.sleep(max(0, env('SLOW_WRITE_S')))
+    return write(*a, **k)
+checkpoint.atomic_write = slow_write
+train_gpt2.main(sys.argv[1:])
+"""
+WAITS = ["--max_steps=12", "--eval_interval=4", "--checkpoint_interval=8", "--collective_timeout=3"]
+
+
+def errors(r):
+    return [line for line in r.stderr.splitlines() if line.startswith("error:")]
+
+
+def test_a_stuck_rank_ends_the_run_after_collective_timeout(data, tmp_path):
+    """Rank 1 stops answering in step 9 (after the checkpoint of step 8): rank 0 gives up after
+    collective_timeout=3 s, with one line naming the wait, and exits 1; the checkpoint stands."""
+    t0 = time.time()
+    r = launch(FAULTS, tmp_path, argv(data, tmp_path / "log", *WAITS), 2, {"STALL_RANK": "1", "STALL_STEP": "9"})
+    assert r.returncode == 1, r.stdout[-2000:]
+    assert "rank 1 stalls at step 9" in r.stdout and time.time() - t0 < 60
+    assert len(errors(r)) == 1 and re.fullmatch(
+        r"error: rank 0 waited more than collective_timeout=3 s for the other ranks in train_gpt2\.py:train_step, "
+        r"line \d+: one of them is stuck or gone; the last checkpoint stands: run the same command again to resume",
+        errors(r)[0]), r.stderr[-3000:]
+    assert os.path.exists(tmp_path / "log" / "model_00008.pt") and max(read_log(tmp_path / "log")["train"]) <= 9
+
+
+def test_rank_0_writing_checkpoints_slower_than_the_timeout_is_not_stuck(data, tmp_path):
+    """Each checkpoint write takes rank 0 5 s, longer than collective_timeout=3 s: the others wait
+    for it (parallel.wait_for_all) and the run ends normally, its log whole."""
+    r = launch(FAULTS, tmp_path, argv(data, tmp_path / "log", *WAITS), 2, {"SLOW_WRITE_S": "5"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(read_log(tmp_path / "log")["train"]) == list(range(12))
+    assert os.path.exists(tmp_path / "log" / "model_00012.pt")
+
+
+# --- replicas checked at every checkpoint ------------------------------------------------------------
+
+def test_replicas_that_differ_stop_the_run_before_a_checkpoint(data, tmp_path):
+    """Rank 1's weights nudged after step 5: the checkpoint of step 8 finds them unlike rank 0's,
+    one line names rank 1 and the step, and no checkpoint of the diverged state is written."""
+    r = launch(FAULTS, tmp_path, argv(data, tmp_path / "log", *WAITS), 2, {"NUDGE_RANK": "1", "NUDGE_STEP": "5"})
+    assert r.returncode == 1, r.stdout[-2000:]
+    assert len(errors(r)) == 1 and errors(r)[0].startswith(
+        "error: step 8: the weights of rank 1 differ from rank 0's: DDP keeps replicas equal only while"), r.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "log" / "model_00008.pt")
