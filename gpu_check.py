@@ -110,7 +110,7 @@ def main():
     first_dt = float(re.search(r"dt (\d+\.\d+)ms", out.stdout).group(1)) / 1000
     steady = rates[len(rates) // 3:]  # the first steps compile
     tok_per_s = statistics.median(steady)
-    _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])  # the trainer's choice, in this process
+    _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'], c['collective_timeout'])  # as the trainer
     c = choose_precision(c, device)  # the precision the run used
     peak = matmul_flops(device, c['dtype'])
     config = GPTConfig.from_dict(c)

@@ -71,13 +71,15 @@ class MuonAdamW(torch.optim.Optimizer):
         self.adamw.found_inf = found_inf
         self.adamw.step()
         del self.adamw.found_inf
+        device = self.muon.param_groups[0]['params'][0].device
+        keep = torch.ones((), dtype=torch.bool, device=device) if found_inf is None else found_inf == 0  # once a step
         for group in self.muon.param_groups:
             for p in group['params']:
                 if p.grad is not None:
-                    self._muon_update(p, group, found_inf)
+                    self._muon_update(p, group, keep)
 
-    def _muon_update(self, p, group, found_inf):
-        """torch.optim.Muon's update of the matrix p, kept only where found_inf is not 1."""
+    def _muon_update(self, p, group, keep):
+        """torch.optim.Muon's update of the matrix p, written back only where keep (a 0-dim bool) is True."""
         state = self.state[p]
         if 'momentum_buffer' not in state:
             state['momentum_buffer'] = torch.zeros_like(p)
@@ -87,6 +89,5 @@ class MuonAdamW(torch.optim.Optimizer):
         update = orthogonalize(update, group['ns_coefficients'], group['ns_steps'], group['eps'])
         new_p = p.mul(1 - lr * group['weight_decay'])
         new_p.add_(update, alpha=-lr * lr_ratio(group['adjust_lr_fn'], p.shape))
-        keep = torch.ones((), dtype=torch.bool, device=p.device) if found_inf is None else found_inf == 0
         torch.where(keep, new_buf, buf, out=buf)  # skipped: the old values, bit for bit, decided on the device
         torch.where(keep, new_p, p, out=p)

@@ -94,13 +94,14 @@ class ShuffledDocuments:
     """A shard's tokens with its documents in the order rng draws, each whole and in its own token
     order: slices of it are gathered from the memory map (no copy of the shard). Holds three
     numbers per document (where it starts in the file, and in this order). The tail of a document
-    cut at the shard's start (cut_tail) is left out: it has no <|endoftext|> before it, and
-    shuffled it would be glued to an unrelated document."""
+    cut at the shard's start (what cut_tail counts) is left out: it has no <|endoftext|> before it,
+    and shuffled it would be glued to an unrelated document."""
 
     def __init__(self, tokens, rng):
         starts = document_starts(tokens)
         order = rng.permutation(len(starts))
-        order = order[starts[order] >= cut_tail(tokens)]  # the cut tail out; the others in the order drawn before
+        if len(starts) > 1 and tokens[0] != EOT:  # starts[0] is the cut tail: out; the others in the order drawn
+            order = order[order != 0]
         lengths = np.diff(starts, append=len(tokens))[order]
         self.tokens, self.starts = tokens, starts[order]
         self.offsets = np.concatenate(([0], np.cumsum(lengths)))  # where each one starts in this order

@@ -36,7 +36,7 @@ from parallel import (agree, clip_grad_norm, end_process_group, rank as process_
 from sample import training_samples
 from schedule import get_lr
 from shards import ShuffledDocuments, cut_tail, find_shards, load_val_tokens, open_shard
-from tokenizer import token_byte_lengths
+from tokenizer import token_byte_lengths, utf8_bytes
 
 # -----------------------------------------------------------------------------
 # config: the defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu (build-nanogpt's run)
@@ -103,7 +103,7 @@ rank, world = 0, 1  # this process among all, set by main() from torchrun's envi
 config = DEFAULTS  # set by main(): the constants as run, recorded in run.json and the checkpoints
 
 
-def setup_device(device, cpu_reuse_memory=False, collective_timeout=600):
+def setup_device(device, cpu_reuse_memory=False, collective_timeout=DEFAULTS['collective_timeout']):
     """(rank, world_size, device): torchrun's RANK means DDP, one process per device."""
     ddp = 'RANK' in os.environ
     rank, local_rank, world = 0, 0, 1
@@ -220,8 +220,7 @@ def evaluate(model, tokens, B, T, device, dtype):
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     model.train()
     loss_sum, text_loss = sums.tolist()
-    text_bytes = int(n_bytes[tokens[1:n_seq * T + 1]].sum())
-    return loss_sum / (n_seq * T), text_loss / math.log(2) / max(1, text_bytes)
+    return loss_sum / (n_seq * T), text_loss / math.log(2) / max(1, utf8_bytes(tokens[1:n_seq * T + 1]))
 
 
 def evals_and_samples(state, val_data, hella_data, do_eval, do_sample):
