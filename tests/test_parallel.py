@@ -173,26 +173,6 @@ def test_fsdp_evals_hellaswag_and_samples_as_ddp(tmp_path):
     assert samples.count("sample 0:") == 2 and samples == (tmp_path / "ddp" / "samples.txt").read_text()
 
 
-def test_ddp_gradients_are_views_of_its_buckets(tmp_path):
-    """Issue 21.15: DDP's gradients live in its all-reduce buckets (gradient_as_bucket_view): no second
-    copy of every gradient (4 bytes per parameter) and no copy per step. After a backward, every
-    gradient's memory lies inside one of the buckets' tensors."""
-    import torch.distributed as dist
-    import parallel
-    from model import GPT, GPTConfig
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        ddp = parallel.wrap_ddp(GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16)), "cpu")
-        ddp(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
-        assert ddp.gradient_as_bucket_view
-        grads = [p.grad for p in ddp.module.parameters()]
-        assert all(g is not None for g in grads)
-        assert len({g.untyped_storage().data_ptr() for g in grads}) < len(grads)  # shared bucket storage
-    finally:
-        dist.destroy_process_group()
-
-
 def test_the_tied_weight_is_gathered_and_saved_once(ddp2, fsdp2):
     """Issue 21.14: wte and lm_head are one parameter; an FSDP checkpoint, like a DDP one, holds it
     once (both keys on one storage), not two gathered copies of it."""

@@ -99,6 +99,9 @@ def probe(state, *a, **k):
                                                              b.view(-1).view(torch.uint8) if b.is_floating_point() else b)
                                                  for a, b in zip(before, after))
         say(f"rank {rank} step {calls[0]} weights and optimizer state unchanged: {same}")
+        grads = [p.grad for p in state.raw_model.parameters() if p.grad is not None]
+        say(f"rank {rank} step {calls[0]} gradient storages after the synced micro-step: "
+            f"{len({g.untyped_storage().data_ptr() for g in grads})} of {len(grads)} gradients")
         calls[0] += 1
 train_gpt2.train_step = probe
 train_gpt2.main(sys.argv[1:])
@@ -115,7 +118,8 @@ def probed(r, what):
                                           (None, ["--dtype=float16"])], ids=["ddp-adamw", "ddp-muon", "one-float16"])
 def test_the_step_waits_for_nothing_before_its_update(data, tmp_path, nproc, extra):
     """Under DDP with 2 micro-steps, the gradients stay views into DDP's bucket through every
-    micro-step (1 storage, not one per parameter: a second copy of them, 4 bytes per parameter);
+    micro-step (1 storage, not one per parameter: a second copy of them, 4 bytes per parameter)
+    and after the synced one (gradient_as_bucket_view: every gradient a view, none missing);
     between a step's start and its optimizer.step() the host reads no tensor (item, tolist, bool,
     float, int, cpu, numpy), on one process as on two, AdamW as Muon, float16 too. Step 3's
     gradient is NaN on one rank: the step is skipped on the device (found_inf), its weights and
@@ -133,6 +137,9 @@ def test_the_step_waits_for_nothing_before_its_update(data, tmp_path, nproc, ext
     if nproc:
         storages = probed(r, "gradient storages after a micro-step without sync")
         assert storages == {(k, s): "1" for k in ranks for s in range(steps)}, storages
+        n = 12 * 2 + 4  # every parameter of the tiny model (12 a block, wte = lm_head, wpe, ln_f's 2) in one bucket
+        synced = probed(r, "gradient storages after the synced micro-step")
+        assert synced == {(k, s): f"1 of {n} gradients" for k in ranks for s in range(steps)}, synced
     log = read_log(tmp_path / "log")  # float16: a NaN gradient is an overflow, the loss scale halved
     logged = {"overflow": {3: 32768.0}} if "--dtype=float16" in extra else {"skip": {3: 1.0}}
     assert {k: v for k, v in log.items() if k != "train"} == logged and sorted(log["train"]) == list(range(steps)), log
