@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import hellaswag
+import memory
 import train_gpt2
 from configurator import parse_config
 from errors import UserError
@@ -95,6 +96,7 @@ def time_loader(c, folder, shuffle):
 
 
 def bench_loader(c):
+    c = memory.micro_batch_of(c, 'cpu')  # B="auto": as the trainer would choose on this CPU
     n_max, step = c['bench_loader_tokens'], max(c['total_batch_size'], c['B'] * c['T'])
     with tempfile.TemporaryDirectory() as tmp:
         for n in (n_max // 10, n_max):
@@ -149,9 +151,7 @@ def time_steps(c, role):
     after bench_warmup) and peak memory of the trainer's step ("ours": train_gpt2.train_step, with
     cpu_reuse_memory as configured) or of build-nanogpt's ("baseline": its forward and step, and
     glibc's default memory handling). Printed as one JSON line for the parent."""
-    _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'] and role == 'ours')
-    if device.startswith('cuda'):
-        torch.set_float32_matmul_precision('high')
+    _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'] and role == 'ours')  # TF32 on CUDA, as the trainer
     if role == 'baseline':
         GPT.forward = nanogpt_forward
     torch.manual_seed(c['seed'])
@@ -231,10 +231,11 @@ def measure(argv, role):
 
 def bench_step(c, argv, device):
     """The trainer's step against build-nanogpt's, same model, dtype and batch, one process each."""
+    c = choose_precision(c, device)  # prints the precision chosen
+    c = memory.micro_batch_of(c, device)  # B="auto": as the trainer chooses, printed
     if c['total_batch_size'] % (c['B'] * c['T']):
         sys.exit(f"error: total_batch_size={c['total_batch_size']} is not a multiple of B*T={c['B'] * c['T']}")
-    c = choose_precision(c, device)  # prints the precision chosen
-    argv = [*argv, f"--dtype={c['dtype']}", f"--compile={c['compile']}"]  # the same choice in both processes
+    argv = [*argv, f"--dtype={c['dtype']}", f"--compile={c['compile']}", f"--B={c['B']}"]  # the same in both processes
     ours = measure(argv, 'ours')
     base = measure(argv, 'baseline') if c['bench_baseline'] else None
 
@@ -460,9 +461,7 @@ def main():
         return bench_hellaswag_process(c)
     if c['bench_recipe']:
         return bench_recipe(c, sys.argv[1:])
-    _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])
-    if device.startswith('cuda'):
-        torch.set_float32_matmul_precision('high')
+    _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])  # TF32 on CUDA, as the trainer
     config = GPTConfig.from_dict(c)
     if c['bench_hellaswag']:
         return bench_hellaswag(c, config, device)

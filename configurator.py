@@ -7,8 +7,9 @@ checked (hardware.choose_precision then makes dtype and compile "auto" concrete)
 A config file is Python that assigns some of the constants (it may read the others:
 max_steps = 2 * warmup_steps), and it runs as code: use only files you trust. --key=value takes
 a Python literal, or the text as typed for a string constant. Both are applied in the order
-given, and each value must keep its default's type (an int is fine for a float; True/False for
-an "auto" default). An unknown key is an error that names the closest valid ones.
+given, and each value must keep its default's type (an int is fine for a float; an "auto"
+default also takes True/False, and B a number: AUTO_OR). An unknown key is an error that names
+the closest valid ones.
 """
 import ast
 import builtins
@@ -30,6 +31,8 @@ NANOGPT_NAMES = {'learning_rate': 'max_lr', 'max_iters': 'max_steps', 'lr_decay_
                  'gradient_accumulation_steps': 'total_batch_size', 'eval_iters': 'val_tokens',
                  'sample_every': 'sample_interval', 'eval_every': 'eval_interval'}
 
+AUTO_OR = {'B': int}  # an "auto" default takes a bool (--compile=False) or a value of this type: --B=16
+
 
 def parse_config(argv, defaults, doc=""):
     """defaults, updated by config files and --key=value arguments, in the order given. -h or
@@ -48,7 +51,7 @@ def parse_config(argv, defaults, doc=""):
         default = config[key]
         if isinstance(default, float) and type(value) is int:
             value = float(value)  # --max_lr=1 means 1.0
-        if type(value) is not type(default) and not (default == 'auto' and type(value) is bool):  # compile=False
+        if type(value) is not type(default) and not (default == 'auto' and type(value) in (bool, AUTO_OR.get(key))):
             raise UserError(f"config key {key!r} in {source} must be {type(default).__name__} "
                             f"like its default {default!r}, got {type(value).__name__} {value!r}")
         config[key] = value
@@ -63,7 +66,7 @@ def parse_config(argv, defaults, doc=""):
             except (ValueError, SyntaxError):
                 value = text  # a bare word is a string: --init_from=gpt2
             if isinstance(defaults.get(key), str) and not isinstance(value, str) and not (
-                    defaults[key] == 'auto' and isinstance(value, bool)):
+                    defaults[key] == 'auto' and type(value) in (bool, AUTO_OR.get(key))):
                 value = text  # a string key takes the text as typed: --data_root=123
             set_key(key, value, arg)
         else:
@@ -99,14 +102,18 @@ def accumulation_steps(total_batch_size, B, T, world):
 
 
 def check_config(c):
+    if c['B'] != 'auto' and type(c['B']) is not int:
+        raise UserError(f"config key 'B' must be 'auto' or a number of sequences, got {c['B']!r}")
     for key in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size', 'total_batch_size', 'B', 'T',
                 'collective_timeout'):
-        if c[key] <= 0:
+        if c[key] != 'auto' and c[key] <= 0:
             raise UserError(f"config key {key!r} must be positive, got {c[key]}")
     for key in ('max_steps', 'warmup_steps', 'eval_interval', 'val_tokens', 'sample_interval', 'sample_length',
                 'checkpoint_interval'):
         if c[key] < 0:
             raise UserError(f"config key {key!r} must be >= 0, got {c[key]}")
+    # torchrun's processes split the batch evenly: checked before anything starts (B="auto" chooses a divisor)
+    accumulation_steps(c['total_batch_size'], 1 if c['B'] == 'auto' else c['B'], c['T'], int(os.environ.get('WORLD_SIZE', 1)))
     if c['eval_interval'] > 0 and c['val_tokens'] < c['T']:
         raise UserError(f"val_tokens={c['val_tokens']} is less than one sequence of T={c['T']} tokens")
     if c['keep_checkpoints'] < 0 or c['max_bad_steps'] < 1:

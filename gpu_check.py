@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 import hellaswag
+import memory
 import train_gpt2
 from configurator import parse_config
 from errors import UserError
@@ -112,6 +113,7 @@ def main():
     tok_per_s = statistics.median(steady)
     _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'], c['collective_timeout'])  # as the trainer
     c = choose_precision(c, device)  # the precision the run used
+    c = memory.micro_batch_of(c, device)  # B="auto": the trainer's choice, printed
     peak = matmul_flops(device, c['dtype'])
     config = GPTConfig.from_dict(c)
     fpt = flops_per_token(config, c['T'])

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import checkpoint
 from checkpoint import TrainState
+import memory
 import run_record
 from configurator import accumulation_steps, parse_config
 from errors import UserError
@@ -53,7 +54,7 @@ block_size = 1024  # longest sequence the model can see
 vocab_size = 50304  # GPT-2's vocabulary padded up to a multiple of 128, for faster matmuls
 # batch: total_batch_size tokens per optimizer step = B * T * world_size * grad_accum_steps
 total_batch_size = 524288  # 2**19, ~0.5M tokens, as GPT-3 124M
-B = 64  # micro-batch: sequences per forward/backward, per process
+B = "auto"  # micro-batch: sequences per forward/backward per process; "auto": the most that fit (memory.py)
 T = 1024  # sequence length
 # optimizer: AdamW, linear warmup then cosine decay to min_lr at max_steps (other recipes: docs/recipes.md)
 max_lr = 6e-4
@@ -113,6 +114,7 @@ def setup_device(device, cpu_reuse_memory=False, collective_timeout=DEFAULTS['co
     if device.startswith('cuda'):  # torchrun: one GPU per process, whatever was asked; set_device needs an index
         device = f'cuda:{local_rank}' if ddp else 'cuda:0' if device == 'cuda' else device
         torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision('high')  # TF32 for the float32 matmuls
     if device == 'cpu' and cpu_reuse_memory:
         reuse_freed_memory()
     if ddp:  # NCCL between GPUs, gloo between CPU processes; the store: see parallel.restart_store
@@ -234,7 +236,8 @@ def evals_and_samples(state, val_data, hella_data, do_eval, do_sample):
         run_record.log(log_dir, f"{step} val {val_loss:.4f}")
         run_record.log(log_dir, f"{step} bpb {bpb:.4f}")
     if do_eval and hella_data is not None:  # the plain module: works the same with compile and DDP
-        counts = torch.tensor(evaluate_hellaswag(raw_model, hella_data, device, dtype, rank, world), device=device)
+        counts = evaluate_hellaswag(raw_model, hella_data, device, dtype, rank, world, memory.examples_per_batch(B, T))
+        counts = torch.tensor(counts, device=device)
         if world > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # each rank scored its share of the examples
         n, correct, correct_norm = counts.tolist()
@@ -282,8 +285,7 @@ def train_step(state, grad_accum_steps, lr, grad_clip, device, dtype):
     ok = finite_loss and finite_norm
     scale = scaler.get_scale() if finite_loss and not finite_norm else 0  # read only then: on a GPU it waits
     scaler.update()  # float16: halve the scale after an inf/nan gradient, double it after 2000 clean steps
-    # float16 overflow: inf/nan gradients of a finite loss made the scaler lower its scale; at <= 1, a bad step
-    overflow = scale > 1 and scaler.get_scale() < scale
+    overflow = scale > 1 and scaler.get_scale() < scale  # float16: a finite loss's inf/nan gradients lowered it
     return loss_accum, norm, ok, overflow
 
 
@@ -306,8 +308,8 @@ def main(argv=None):
         code = run()
     except UserError as e:
         error = f"error: {e}" if master else ''  # one line on stderr, exit code 1
-    except RuntimeError as e:  # a collective that gave up waiting: another rank is stuck or gone
-        if not (error := gave_up(e, rank, collective_timeout)):
+    except RuntimeError as e:  # a collective that gave up waiting (a rank stuck or gone), or out of memory
+        if not (error := gave_up(e, rank, collective_timeout) or memory.out_of_memory(e, B)):
             raise
     finally:
         if error:
@@ -326,18 +328,18 @@ def run():
     master = rank == 0
     checkpoint.claim_log_dir(log_dir)  # one run per log_dir: rank 0 locks log_dir/run.lock
     torch.manual_seed(seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
-    if device.startswith('cuda'):
-        torch.set_float32_matmul_precision('high')  # TF32 for the float32 matmuls
-    grad_accum_steps = accumulation_steps(total_batch_size, B, T, world)  # total_batch_size // (B * T * world)
-    if master:
-        print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
-        print(f"world_size={world} device={device} grad_accum_steps={grad_accum_steps}")
     for split in ('train', 'val') if eval_interval > 0 else ('train',):
         find_shards(data_root, split)  # a missing folder is reported before a model is built or downloaded
 
     # resume="auto": the newest checkpoint of log_dir that loads (the same command resumes a stopped run)
     ckpt_path, ckpt = checkpoint.find_checkpoint(log_dir, resume, device)
     raw_model = build_model(ckpt, ckpt_path)
+    global B  # "auto": the most that fit this device's free memory, by count (memory.py); every rank the least
+    B, why = memory.micro_batch(config, raw_model.config, device, world)
+    grad_accum_steps = accumulation_steps(total_batch_size, B, T, world)  # total_batch_size // (B * T * world)
+    if master:
+        print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
+        print(f"world_size={world} device={device} grad_accum_steps={grad_accum_steps}" + (f"\n{why}" if why else ""))
     loader = DataLoaderLite(B, T, rank, world, 'train', data_root, grad_accum_steps, raw_model.config.vocab_size,
                             shuffle, seed)
     val_data = load_val_tokens(data_root, val_tokens // T * T, raw_model.config.vocab_size) if eval_interval > 0 else None
@@ -367,7 +369,7 @@ def run():
         checkpoint.prepare_log_dir(log_dir, state.step, state.evaluated)
         if wandb_log:
             run_record.wandb_start(config, log_dir)
-    run_record.write(log_dir, config, state.step, ckpt_path, device)  # log_dir/run.json
+    run_record.write(log_dir, dict(config, B=B, micro_batch=why), state.step, ckpt_path, device)
     return train(state, val_data, hella_data, grad_accum_steps)
 
 

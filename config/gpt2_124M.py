@@ -7,7 +7,7 @@ n_layer = 12
 n_head = 12
 n_embd = 768
 total_batch_size = 524288
-B = 64  # per GPU; 8 GPUs -> 1 micro-step per optimizer step; 16 GPUs: B = 32, 32 GPUs: B = 16
+# B = "auto" (the default): 64 per GPU on 80 GB (8 GPUs: 1 micro-step a step), 32 on 40 GB, 16 on 24 GB
 T = 1024
 max_lr = 6e-4
 min_lr = 6e-5

@@ -53,3 +53,17 @@ def test_bench_recipe_prints_each_recipe_against_the_first(tmp_path):
         bad = subprocess.run([sys.executable, "bench.py", "--bench_recipe=True", bad_args], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
         assert bad.returncode == 1 and error in bad.stderr, bad.stderr
+
+
+def test_bench_step_takes_B_auto_as_the_trainer_does():
+    """Issue 29: bench.py with B="auto" (the default) chooses as the trainer does, says so, and
+    measures that B in its child process."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    tiny = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=512", "--device=cpu",
+            "--dtype=float32", "--compile=False"]
+    r = subprocess.run([sys.executable, "bench.py", *tiny, "--T=32", "--total_batch_size=128", "--bench_baseline=False",
+                        "--bench_steps=1", "--bench_warmup=0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "B=4 (auto): " in r.stdout and "batch: B=4 T=32 grad_accum=1 " in r.stdout, r.stdout[-3000:]

@@ -15,7 +15,11 @@ DEFAULTS = dict(train_gpt2.DEFAULTS)
 def test_defaults_are_build_nanogpts_run():
     d = DEFAULTS
     assert (d["n_layer"], d["n_head"], d["n_embd"], d["block_size"], d["vocab_size"]) == (12, 12, 768, 1024, 50304)
-    assert (d["total_batch_size"], d["B"], d["T"], d["max_steps"], d["warmup_steps"]) == (524288, 64, 1024, 19073, 715)
+    assert (d["total_batch_size"], d["B"], d["T"], d["max_steps"], d["warmup_steps"]) == (524288, "auto", 1024, 19073, 715)
+    # B="auto" on build-nanogpt's 8 x 80 GB GPUs, compiled, in bf16: its B=64, one micro-step
+    import memory
+    from model import GPTConfig
+    assert memory.micro_batch(dict(d, dtype="bfloat16", compile=True), GPTConfig.from_dict(d), "cuda", 8, free=80e9)[0] == 64
     assert (d["max_lr"], d["min_lr"], d["weight_decay"], d["grad_clip"], d["seed"]) == (6e-4, 6e-5, 0.1, 1.0, 1337)
     assert (d["init_from"], d["device"], d["dtype"], d["eval_interval"]) == ("scratch", "auto", "auto", 250)
     assert d["compile"] == "auto"  # on CUDA only
@@ -64,9 +68,9 @@ def test_bad_overrides(argv, message):
 
 def test_config_file_sees_the_constants(tmp_path):
     cfg_file = tmp_path / "derived.py"
-    cfg_file.write_text("warmup_steps = 100\nmax_steps = 10 * warmup_steps\nB = B // 2\n")
+    cfg_file.write_text("warmup_steps = 100\nmax_steps = 10 * warmup_steps\nT = T // 2\n")
     c = parse_config([str(cfg_file)], DEFAULTS)
-    assert (c["warmup_steps"], c["max_steps"], c["B"]) == (100, 1000, 32)
+    assert (c["warmup_steps"], c["max_steps"], c["T"]) == (100, 1000, 512)
 
 
 def test_broken_config_file(tmp_path):
@@ -104,8 +108,9 @@ def test_total_batch_size_must_divide():
 
 
 def test_16_gpus_are_told_which_B_to_use():
-    """Issue 21.17: 2 nodes x 8 GPUs at the 124M defaults (64 x 1024 x 16 > 2**19) stop with a line
-    that names the B that works, and the README's two-node command and the 124M preset give it."""
+    """Issue 21.17: 2 nodes x 8 GPUs at a fixed B=64 (64 x 1024 x 16 > 2**19) stop with a line that
+    names the B that works; B="auto" (issue 29) takes it by itself: the README's two-node command
+    sets no B."""
     from configurator import accumulation_steps
     assert accumulation_steps(524288, 64, 1024, 8) == 1 and accumulation_steps(524288, 8, 1024, 8) == 8
     with pytest.raises(UserError) as e:
@@ -113,9 +118,12 @@ def test_16_gpus_are_told_which_B_to_use():
     assert "with 16 process(es) use B=32 (or lower: 16, 8, ...)" in str(e.value), e.value
     readme = open(os.path.join(ROOT, "README.md")).read()
     two_nodes = readme[readme.index("torchrun --nnodes=2"):].split("\n\n")[0]
-    assert "--nproc_per_node=8" in two_nodes and "--B=32" in two_nodes and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in readme
-    preset = open(os.path.join(ROOT, "config", "gpt2_124M.py")).read()
-    assert "16 GPUs: B = 32" in preset
+    assert "--nproc_per_node=8" in two_nodes and "--B=" not in two_nodes and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in readme
+    import memory
+    from model import GPTConfig
+    c = dict(DEFAULTS, dtype="bfloat16", compile=True)  # 124M
+    auto = lambda world: memory.micro_batch(c, GPTConfig.from_dict(c), "cuda", world, free=80e9)[0]
+    assert (auto(8), auto(16), auto(32)) == (64, 32, 16)
     assert accumulation_steps(524288, 32, 1024, 16) == 1 and accumulation_steps(1048576, 8, 1024, 16) == 8
 
 
@@ -141,12 +149,16 @@ def test_presets_exist():
 def test_presets_parse_and_divide(path):
     c = parse_config([path], DEFAULTS)
     assert c["n_embd"] % c["n_head"] == 0 and c["T"] <= c["block_size"]
-    if "gpt2_" in path:  # the GPU presets: one node of 8 GPUs, 10B tokens
-        assert c["total_batch_size"] % (c["B"] * c["T"] * 8) == 0
+    if "gpt2_" in path:  # the GPU presets: one node of 8 GPUs, 10B tokens; B="auto" takes what the comment says
+        import memory
+        from model import GPTConfig
+        B = memory.micro_batch(dict(c, dtype="bfloat16", compile=True), GPTConfig.from_dict(c), "cuda", 8, free=80e9)[0]
+        assert f'# B = "auto" (the default): {B} per GPU on 80 GB' in open(path).read(), (path, B)
+        assert c["total_batch_size"] % (B * c["T"] * 8) == 0
         assert abs(c["max_steps"] * c["total_batch_size"] - 10e9) < 0.01e9
         assert c["dtype"] == "auto" and c["compile"] == "auto"  # bf16 (fp16 before Ampere) and compile on GPUs
     else:
-        assert c["total_batch_size"] % (c["B"] * c["T"]) == 0
+        assert c["total_batch_size"] % c["T"] == 0
 
 
 def test_124M_preset_is_the_defaults():

@@ -159,34 +159,22 @@ def test_own_documents_commands_of_data_md(tmp_path):
 
 def test_fsdp_memory_table_matches_a_count():
     """Issue 21.11: docs/fsdp.md's activations per preset are what autograd saves for one
-    micro-batch at the preset's B (bf16 autocast, counted on fake tensors: no memory used)."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    micro-batch at the B that "auto" takes on 8 GPUs of 80 GB (bf16 autocast, the CPU's loss,
+    counted on fake tensors by memory.saved_bytes: no memory used)."""
     from configurator import parse_config
+    import memory
     import train_gpt2
-    from model import GPT, GPTConfig
+    from model import GPTConfig
     table = {m.group(1): (int(m.group(2)), float(m.group(3))) for m in
              re.finditer(r"\| `(gpt2_\w+)\.py` \| (\d+) \| ([\d.]+) GB \|", read("docs", "fsdp.md"))}
     assert len(table) == 4, table
-    def count(c, B):  # bytes autograd saves for one forward of a model shaped as c, batch B
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model = GPT(GPTConfig.from_dict(c))
-            x = torch.zeros(B, c["T"], dtype=torch.long)
-            saved = {}
-
-            def pack(t):
-                if not (t.is_leaf and t.requires_grad):  # parameters are not activations
-                    saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-                return t
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-                model(x, x)
-        return sum(saved.values())
     for preset, (B, gb) in table.items():
         c = parse_config([os.path.join(ROOT, "config", preset + ".py")], train_gpt2.DEFAULTS)
-        assert c["B"] == B, preset
+        shape = GPTConfig.from_dict(c)
+        assert memory.micro_batch(dict(c, dtype="bfloat16", compile=True), shape, "cuda", 8, free=80e9)[0] == B, preset
         # every block saves the same, and all of it but the bf16 weight copies grows with B: counted
         # at 1 and 2 blocks and B = 1 and 2, then extrapolated to n_layer and B (fast, and exact)
-        at = {(n, b): count(dict(c, n_layer=n), b) for n in (1, 2) for b in (1, 2)}
+        at = {(n, b): memory.saved_bytes(shape, b, c["T"], "bfloat16", n_layer=n, head=True) for n in (1, 2) for b in (1, 2)}
         per_block = lambda b: at[2, b] - at[1, b]
         rest = lambda b: at[1, b] - per_block(b)
         grow = lambda f: f(1) + (B - 1) * (f(2) - f(1))

@@ -1,0 +1,187 @@
+"""
+The micro-batch that fits the device (B = "auto"), and the one line for running out of memory.
+
+What one process holds while it trains is counted, not tried (no trial step, no recompile):
+- the state: float32 weights, gradients and AdamW's two moments, 16 bytes a parameter under DDP
+  (gradients in DDP's buckets, no second copy); under FSDP 16/world_size, plus 4 for the whole
+  gradients accumulated between micro-steps or the whole weights gathered for the evals;
+- the activations autograd saves for one micro-batch, counted on fake tensors (no memory, no
+  compute) for the blocks: every block saves the same, so 1 and 2 blocks at B = 1 and 2 give
+  any depth and any B;
+- the loss over the B*T*vocab_size logits, the largest tensors of a step, at its peak on each path;
+- OVERHEAD: what no count sees (cuBLAS workspaces, the allocator's rounding, temporaries).
+It fits when that is at most HEADROOM of the memory the device has free. docs/fsdp.md has the
+choices for 24, 40 and 80 GB GPUs and how the figures were measured.
+"""
+import dataclasses
+import functools
+import os
+import re
+import traceback
+
+import torch
+
+from parallel import agree
+
+HEADROOM = 0.9  # of the free memory: fragmentation and every rank's own extras
+OVERHEAD = {'cuda': 2.5e9, 'mps': 1.0e9, 'cpu': 0.3e9}  # bytes; H200, 124M, B=64: 2.2 GB past the count
+# the CPU's peak RSS over the count: the backward's passing gradients and glibc's heap; measured 1.06-1.26x
+# with glibc's defaults (tests/test_memory.py), and cpu_reuse_memory keeps freed blocks (+25%, docs/benchmarks.md)
+ACTIVATIONS_TIMES = {'cpu': 1.5}  # on a GPU the logits' bytes below are measured peaks: 1
+# peak bytes per logit of the loss on a GPU (F.cross_entropy), fitted to the H200's max_memory_allocated
+# at 124M, B=64 (docs/benchmarks.md): eager keeps the float32 log-probabilities (4) and its backward makes
+# two more float32 tensors (8): 61,007 MiB (build-nanogpt's step, the same loss); compiled, inductor's
+# fused kernels peak near 6: 42,222 MiB. On a CPU model.LinearCrossEntropy keeps the logits in
+# autocast's dtype: counted exactly.
+GPU_LOGIT_BYTES = {True: 6, False: 12}  # compiled: bytes
+MAX_B = 64
+plan = {}  # what the start saw, for the out-of-memory line: {'need': B -> bytes, 'free', 'total', 'device'}
+
+
+def free_and_total(device):
+    """(bytes free, bytes in all) on device: CUDA's driver figures, MPS's recommended maximum, or
+    the RAM Linux says is available (else all of it)."""
+    kind = torch.device(device).type
+    if kind == 'cuda':  # under set_per_process_memory_fraction: that share of it, less what torch holds
+        free, total = torch.cuda.mem_get_info(device)
+        cap = torch.cuda.get_per_process_memory_fraction(device) * total
+        return min(free, cap - torch.cuda.memory_reserved(device)), min(total, cap)
+    if kind == 'mps':
+        total = torch.mps.recommended_max_memory()
+        return total - torch.mps.driver_allocated_memory(), total
+    total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    try:
+        with open('/proc/meminfo') as f:
+            return int(re.search(r'MemAvailable:\s+(\d+) kB', f.read()).group(1)) * 1024, total
+    except (OSError, AttributeError):
+        return total, total
+
+
+def saved_bytes(model_config, B, T, dtype, n_layer=None, head=False):
+    """Bytes autograd saves in one forward of B sequences of T tokens, counted on fake tensors: the
+    blocks and the final layer norm (hidden_states), or with head the whole CPU training forward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from model import GPT
+    saved = {}
+
+    def pack(t):
+        if not (t.is_leaf and t.requires_grad):  # the parameters are the state, not activations
+            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = GPT(dataclasses.replace(model_config, n_layer=n_layer or model_config.n_layer))
+        x = torch.zeros(B, T, dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype != 'float32'):  # fp16 saves as bf16
+            model(x, x) if head else model.hidden_states(x)
+    return sum(saved.values())
+
+
+def activations(model_config, T, dtype, device, compiled):
+    """(fixed, per_sequence): the activations of a micro-batch of B sequences are fixed + B * per_sequence
+    bytes: the blocks' as counted (1 and 2 blocks at B = 1 and 2: every block saves the same) and the
+    loss's over the logits, as the device's path keeps them (see GPU_LOGIT_BYTES)."""
+    at = {(n, b): saved_bytes(model_config, b, T, dtype, n_layer=n) for n in (1, 2) for b in (1, 2)}
+    blocks = {b: at[1, b] + (model_config.n_layer - 1) * (at[2, b] - at[1, b]) for b in (1, 2)}
+    cpu = torch.device(device).type == 'cpu'
+    logit = (4 if dtype == 'float32' else 2) if cpu else GPU_LOGIT_BYTES[bool(compiled)]
+    loss = T * (model_config.vocab_size * logit + model_config.n_embd * 4)  # the logits, and the float32 h
+    return 2 * blocks[1] - blocks[2], blocks[2] - blocks[1] + loss
+
+
+def estimate(model_config, T, dtype, device, compiled, world=1, fsdp=False):
+    """B -> bytes one process needs to train with micro-batch B (see the top of this file)."""
+    state = parameter_count(model_config) * (16 / world + 4 if fsdp else 16)
+    kind = torch.device(device).type
+    fixed, per_seq = activations(model_config, T, dtype, device, compiled)
+    times, overhead = ACTIVATIONS_TIMES.get(kind, 1), OVERHEAD.get(kind, OVERHEAD['cuda'])
+    return lambda B: state + times * (fixed + B * per_seq) + overhead
+
+
+def parameter_count(model_config):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from model import GPT
+    with FakeTensorMode():
+        return sum(p.numel() for p in GPT(model_config).parameters())
+
+
+def micro_batch(c, model_config, device, world=1, free=None):
+    """(B, line) for the run configured as c (its B, total_batch_size, T, dtype, compile and
+    parallel, dtype and compile concrete) with a model shaped as model_config: c's B if a number
+    (line None); for "auto" the largest B that divides a rank's share of total_batch_size, is at
+    most MAX_B and fits the device's free memory (free: bytes, else asked of the device) on every
+    rank, and the line that says why. Every rank calls it; plan keeps what it saw."""
+    B, T, fsdp = c['B'], c['T'], c['parallel'] == 'fsdp' and world > 1  # one process: FSDP is off
+    # counted when first asked: at the start for "auto", else only if memory runs out (the count takes ~1 s)
+    counted = functools.cache(lambda: estimate(model_config, T, c['dtype'], device, c['compile'] is True, world, fsdp))
+    free, total = free_and_total(device) if free is None else (free, free)
+    plan.update(need=lambda b: counted()(b), free=free, total=total, device=device, fsdp=fsdp,
+                share=max(1, c['total_batch_size'] // (T * world)))
+    if B != 'auto':
+        return B, None
+    need, fits = plan['need'], fitting_B()
+    mine = fits or 1
+    B = agree(mine, "min")  # the rank with the least memory decides
+    more = _next_divisor(B)
+    line = (f"B={B} (auto): {need(B) / 1e9:.1f} GB needed of {free / 1e9:.1f} GB free on {device} "
+            f"({total / 1e9:.1f} GB)" + (f", B={more} would need {need(more) / 1e9:.1f}" if more else
+                                         f", all of a rank's share of total_batch_size")
+            + (f"; another rank has less free memory (B={mine} fits here)" if B < mine else "")
+            + ("; even B=1 does not fit by the estimate" if not fits else ""))
+    return B, line
+
+
+def micro_batch_of(c, device, world=1):
+    """micro_batch for a whole config c with its dtype and compile made concrete (bench.py,
+    gpu_check.py): c with B a number, and the line, printed."""
+    from model import GPTConfig
+    B, line = micro_batch(c, GPTConfig.from_dict(c), device, world)
+    if line:
+        print(line)
+    return dict(c, B=B)
+
+
+def fitting_B():
+    """The largest B, a divisor of the share at most MAX_B, that fits plan's free memory; or 0."""
+    return max((b for b in _divisors() if plan['need'](b) <= HEADROOM * plan['free']), default=0)
+
+
+def _divisors():
+    return [b for b in range(1, min(MAX_B, plan['share']) + 1) if plan['share'] % b == 0]
+
+
+def _next_divisor(B):
+    return min((b for b in _divisors() if b > B), default=None)
+
+
+def examples_per_batch(B, T):
+    """HellaSwag's batch during training: about as many tokens as a training micro-batch (an example
+    packs into fewer than 256 tokens with its 4 endings), at most hellaswag.py's 32: it fits where a step fits."""
+    return max(1, min(32, B * T // 256))
+
+
+# where an out-of-memory error happened: the innermost of these frames
+PHASES = {('train_gpt2.py', 'train_step'): 'the training step', ('train_gpt2.py', 'evaluate'): 'the val loss',
+          ('hellaswag.py', 'evaluate'): 'HellaSwag', ('sample.py', 'training_samples'): 'the samples'}
+
+
+def out_of_memory(error, B):
+    """The one line for error when the device ran out of memory; else None."""
+    if not (isinstance(error, torch.OutOfMemoryError) or re.search(r'out of memory|can.t allocate memory', str(error))):
+        return None
+    phase = 'the setup'
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        phase = PHASES.get((os.path.basename(frame.f_code.co_filename), frame.f_code.co_name), phase)
+    where = f"{plan['device']} ({plan['total'] / 1e9:.1f} GB, {plan['free'] / 1e9:.1f} free at the start)" if plan else 'the device'
+    fits = fitting_B() if plan else 0
+    wrong = plan and fits >= B  # the estimate said B fits (fragmentation, another process): the next B down
+    fits = max((b for b in _divisors() if b < B), default=0) if wrong else fits
+    if not plan:
+        advice = "lower B, or free the device's memory"
+    elif fits:
+        advice = (f"the estimate said B={B} fits, so try B={fits}" if wrong else f"B={fits} fits by the estimate") + \
+            f": run the same command with --B={fits}"
+    else:
+        advice = ("B=1 does not fit" if wrong else "even B=1 does not fit by the estimate") + ": " + (
+            "more GPUs or a smaller model" if plan['fsdp'] else "parallel='fsdp' under torchrun shards the state")
+    return f"error: out of memory in {phase} at B={B} on {where}: {advice} (the last checkpoint stands)"

@@ -1,0 +1,211 @@
+"""Issue 29: B = "auto" and running out of memory. memory.py's estimate against a count on fake
+tensors and a measured peak; its choices against docs/fsdp.md's table; every rank takes the least;
+an out-of-memory error anywhere is one line that names the B that fits, the checkpoint before it
+stands, and the same command with that B resumes."""
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, random_shards, read_log
+from test_step import launch
+
+import memory
+import train_gpt2
+from configurator import parse_config
+from model import GPTConfig
+
+SHAPES = [  # (n_layer, n_head, n_embd, vocab_size, T, B, dtype): wide and narrow, deep and shallow
+    (2, 4, 256, 50304, 256, 4, "float32"), (4, 6, 384, 50304, 256, 8, "bfloat16"), (8, 4, 256, 4096, 512, 16, "bfloat16")]
+
+
+def shape(L, H, C, V, T):
+    return GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=H, n_embd=C)
+
+
+@pytest.mark.parametrize("L, H, C, V, T, B, dtype", SHAPES + [(12, 12, 768, 50304, 1024, 3, "bfloat16")])
+def test_the_count_of_few_blocks_gives_the_whole_forward(L, H, C, V, T, B, dtype):
+    """The activations memory.estimate adds (1 and 2 blocks at B = 1 and 2, extrapolated, and the
+    loss over the logits) are what autograd saves in the whole CPU training forward at B, counted on
+    fake tensors, to 0.5%."""
+    c = shape(L, H, C, V, T)
+    fixed, per_seq = memory.activations(c, T, dtype, "cpu", compiled=False)
+    whole = memory.saved_bytes(c, B, T, dtype, head=True)
+    assert abs(fixed + B * per_seq - whole) < 0.005 * whole, (fixed + B * per_seq, whole)
+
+
+PEAK = """
+import json, re, sys, torch
+sys.path.insert(0, {root!r})
+import memory
+from hardware import autocast
+from model import GPT, GPTConfig
+L, H, C, V, T, B, dtype = {args!r}
+torch.set_num_threads(1)
+status = lambda k: int(re.search(rf'{{k}}:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)) * 1024
+base = status('VmRSS')  # before the model: the peak below holds the state and the step
+model = GPT(GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=H, n_embd=C))
+opt = model.configure_optimizers(0.1, 1e-3, 'cpu')
+x = torch.randint(0, V, (B, T))
+for i in range(2):  # the second step has the optimizer's state from the start, as every later one
+    if i:
+        open('/proc/self/clear_refs', 'w').write('5')  # the peak RSS starts again here
+    opt.zero_grad(set_to_none=True)
+    with autocast('cpu', dtype):
+        model(x, x)[1].backward()
+    opt.step()
+print(json.dumps(status('VmHWM') - base))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's peak RSS reset")
+@pytest.mark.parametrize("L, H, C, V, T, B, dtype", SHAPES)
+def test_a_measured_peak_lies_between_the_count_and_the_estimate(L, H, C, V, T, B, dtype):
+    """One training step on the CPU (glibc's defaults, one thread), measured as the process's peak
+    RSS: at least the state (16 bytes a parameter) plus the counted activations, and at most the
+    estimate (activations x ACTIVATIONS_TIMES, and OVERHEAD): 1.06-1.26x the count, 0.89-1.0x the
+    estimate without OVERHEAD, measured."""
+    c = shape(L, H, C, V, T)
+    r = subprocess.run([sys.executable, "-c", PEAK.format(root=ROOT, args=(L, H, C, V, T, B, dtype))],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    peak = json.loads(r.stdout.splitlines()[-1])
+    fixed, per_seq = memory.activations(c, T, dtype, "cpu", compiled=False)
+    counted = 16 * memory.parameter_count(c) + fixed + B * per_seq
+    estimate = memory.estimate(c, T, dtype, "cpu", compiled=False)(B)
+    assert counted <= peak <= estimate, (counted / 1e6, peak / 1e6, estimate / 1e6)
+
+
+def test_the_choices_are_the_docs_table():
+    """docs/fsdp.md's table of what B="auto" picks for each GPU preset, on 8 GPUs with 24, 40 and
+    80 GB free, DDP and FSDP, compiled and not, is what memory.micro_batch picks."""
+    text = open(os.path.join(ROOT, "docs", "fsdp.md")).read()
+    rows = re.findall(r"^\| `(gpt2_\w+)\.py` \| ((?:[\d-]+ \| ){11}[\d-]+) \|$", text, re.M)
+    assert len(rows) == 4, rows
+    for preset, cells in rows:
+        c = parse_config([os.path.join(ROOT, "config", preset + ".py")], train_gpt2.DEFAULTS)
+        picks = []
+        for parallel in ("ddp", "fsdp"):
+            for compiled in (True, False):
+                for gb in (24, 40, 80):
+                    run = dict(c, dtype="bfloat16", compile=compiled, parallel=parallel)
+                    B, _ = memory.micro_batch(run, GPTConfig.from_dict(c), "cuda", 8, free=gb * 1e9)
+                    picks.append(str(B) if memory.fitting_B() else "-")  # "-": not even B=1
+        assert picks == cells.split(" | "), (preset, picks, cells)
+
+
+def test_on_the_cpu_auto_keeps_the_demo_preset():
+    """config/demo_cpu.py sets no B: "auto" takes all 16 sequences of a step (the B it had) in one
+    micro-batch on any CPU with the 1 GB or so it needs, and half on 2 processes."""
+    c = parse_config([os.path.join(ROOT, "config", "demo_cpu.py")], train_gpt2.DEFAULTS)
+    assert c["B"] == "auto"
+    for world, B in ((1, 16), (2, 8)):
+        chosen, line = memory.micro_batch(dict(c, dtype="float32", compile=False), GPTConfig.from_dict(c), "cpu", world,
+                                          free=8e9)
+        assert chosen == B and line.startswith(f"B={B} (auto): "), line
+
+
+COMMON = [*TINY, "--vocab_size=512", "--T=16", "--total_batch_size=128", "--val_tokens=256", "--sample_interval=0",
+          "--keep_checkpoints=0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return random_shards(tmp_path_factory.mktemp("data"), 11, 600, [128 * 9 + 30])
+
+
+def free_for(B, world=1, extra=()):
+    """Free bytes where the tiny model fits B but not the next B up (on world processes)."""
+    c = parse_config([*COMMON, *extra], train_gpt2.DEFAULTS)
+    return int(memory.estimate(GPTConfig.from_dict(c), 16, "float32", "cpu", False, world)(B) / memory.HEADROOM) + 1
+
+
+# the trainer with the device's free memory as FREE_<rank> says, and an out-of-memory error (or a
+# crash, os._exit) where FAULT says: in a step's forward from step 3 on, or at the step-4 evals
+FAULTY = """
+import os, sys, torch
+import memory, train_gpt2
+from model import GPT
+rank = os.environ.get('RANK', '0')
+if os.environ.get('FREE_' + rank):
+    memory.free_and_total = lambda device: (int(os.environ['FREE_' + rank]),) * 2
+fault, steps = os.environ.get('FAULT', ''), [0]
+step = train_gpt2.train_step
+def counting(*a, **k):
+    steps[0] += 1
+    return step(*a, **k)
+train_gpt2.train_step = counting
+hidden = GPT.hidden_states
+def faulty(self, idx, *a, packed=None, **k):
+    phase = 'train' if torch.is_grad_enabled() else 'hella' if packed is not None else 'val'
+    real = not isinstance(idx, torch._subclasses.fake_tensor.FakeTensor)  # not memory.py's count
+    if real and fault.endswith(phase) and steps[0] >= 4:  # the 4th step (step 3), or the evals after it (step 4)
+        if fault.startswith('crash'):
+            os._exit(1)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected)")
+    return hidden(self, idx, *a, packed=packed, **k)
+GPT.hidden_states = faulty
+train_gpt2.main(sys.argv[1:])
+"""
+
+
+def test_every_rank_takes_the_least(data, tmp_path):
+    """2 processes over gloo, rank 1 told it has room for B=2 only, rank 0 for all of its share (4):
+    both train with B=2 (2 micro-steps), rank 0 says why, and run.json records B=2 and the line."""
+    log_dir = tmp_path / "log"
+    env = {"FREE_0": str(10 ** 11), "FREE_1": str(free_for(2, world=2))}
+    r = launch(FAULTY, tmp_path, [*COMMON, f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=2",
+                                  "--hellaswag=False"], 2, env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "grad_accum_steps=2" in r.stdout and "B=2 (auto): " in r.stdout, r.stdout[-3000:]
+    assert "another rank has less free memory (B=4 fits here)" in r.stdout, r.stdout[-3000:]
+    entry = json.load(open(log_dir / "run.json"))[-1]
+    assert entry["config"]["B"] == 2 and entry["config"]["micro_batch"].startswith("B=2 (auto): ")
+
+
+def newest_checkpoint(log_dir):
+    return os.path.basename(sorted(glob.glob(str(log_dir / "model_*.pt")))[-1])
+
+
+@pytest.mark.parametrize("fault, phase", [("train", "the training step"), ("val", "the val loss"),
+                                          ("hella", "HellaSwag")])
+def test_out_of_memory_is_one_line_and_the_checkpoint_before_it_resumes(data, tmp_path, fault, phase):
+    """An out-of-memory error in the step, the val loss or HellaSwag (injected, at B=4 where the
+    estimate says B=2 fits): one line that names the phase, the B and the B to use, no traceback,
+    exit 1, step 2's checkpoint the newest. The same command with --B=2 resumes from it exactly as
+    it does after a crash at the same point (os._exit: nothing written after it)."""
+    hella = tmp_path / "hellaswag.jsonl"
+    import hellaswag
+    hellaswag.write_synthetic(str(hella), 6)
+    runs, vocab = {}, ["--vocab_size=50304"] if fault == "hella" else []  # HellaSwag needs GPT-2's tokens
+    for kind in ("oom", "crash"):
+        log_dir = tmp_path / kind
+        args = [*COMMON, f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=4", "--eval_interval=2",
+                "--checkpoint_interval=2", f"--hellaswag={fault == 'hella'}", f"--hellaswag_file={hella}", "--B=4", *vocab]
+        env = {"FREE_0": str(free_for(2, extra=vocab)), "FAULT": ("" if kind == "oom" else "crash-") + fault}
+        r = launch(FAULTY, tmp_path, args, None, env)
+        assert r.returncode == 1 and newest_checkpoint(log_dir) == "model_00002.pt", r.stdout[-2000:] + r.stderr[-3000:]
+        if kind == "oom":
+            assert "Traceback" not in r.stderr, r.stderr[-3000:]
+            assert re.fullmatch(rf"error: out of memory in {phase} at B=4 on cpu \(.*\): B=2 fits by the estimate: "
+                                r"run the same command with --B=2 \(the last checkpoint stands\)\n", r.stderr), r.stderr
+        r = launch(FAULTY, tmp_path, [*args, "--B=2"], None, {"FREE_0": str(free_for(2, extra=vocab))})
+        assert r.returncode == 0 and "resuming from" in r.stdout and "model_00002.pt" in r.stdout, r.stderr[-3000:]
+        runs[kind] = (read_log(log_dir), torch.load(log_dir / "model_00004.pt", weights_only=True)["model"])
+    (log, model), (crash_log, crash_model) = runs["oom"], runs["crash"]
+    assert log == crash_log and sorted(log["train"]) == [0, 1, 2, 3], log
+    assert all(torch.equal(model[k], crash_model[k]) for k in model)
+
+
+def test_bad_B_is_one_line():
+    from errors import UserError
+    with pytest.raises(UserError, match=r"config key 'B' must be 'auto' or a number of sequences, got 'big'"):
+        parse_config(["--B=big"], train_gpt2.DEFAULTS)
+    with pytest.raises(UserError, match=r"config key 'B' must be positive, got 0"):
+        parse_config(["--B=0"], train_gpt2.DEFAULTS)
