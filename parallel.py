@@ -25,14 +25,14 @@ the full state, in DDP's format, and the evals run on a plain copy of the whole 
 import gc
 import os
 import re
+import sys
 import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+# FSDP and DTensor are imported by shard_fsdp, when a run shards: 0.75 s of every start otherwise
 
 # -----------------------------------------------------------------------------
 # the process group: who this process is, how a torchrun restart meets, how it ends
@@ -173,6 +173,7 @@ def without_ddp(model):
 
 def shard_fsdp(model):
     """FSDP: shard model in place (before the optimizer is built: it must see the sharded parameters)."""
+    from torch.distributed.fsdp import fully_shard
     for block in model.transformer.h:
         fully_shard(block)
     fully_shard(model)  # the rest: wte (= lm_head, one parameter), wpe, ln_f
@@ -186,7 +187,18 @@ def unwrapped(model):
 
 
 def is_sharded(model):
-    return isinstance(unwrapped(model), FSDPModule)
+    fsdp = sys.modules.get('torch.distributed.fsdp')  # not imported: nothing is sharded
+    return fsdp is not None and isinstance(unwrapped(model), fsdp.FSDPModule)
+
+
+def is_dtensor(t):
+    dtensor = sys.modules.get('torch.distributed.tensor')  # not imported: no DTensor exists
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def local(t):
+    """This rank's shard of a DTensor (FSDP's parameters and state); any other tensor as it is."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def require_backward_grad_sync(model, sync):
@@ -201,7 +213,7 @@ def require_backward_grad_sync(model, sync):
 
 def full(t):
     """A DTensor gathered whole on every rank (a collective); any other tensor as it is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def clip_grad_norm(model, max_norm):
@@ -243,8 +255,8 @@ def full_state(model, optimizer):
     gathered = {}
 
     def keep(t):  # the tied wte/lm_head weight is gathered once, and saved once (one storage, two keys)
-        local = t.to_local() if isinstance(t, DTensor) else t  # state_dict() gives a new DTensor per key
-        key = (local.data_ptr(), tuple(local.shape)) if local.numel() else id(t)
+        shard = local(t)  # state_dict() gives a new DTensor per key
+        key = (shard.data_ptr(), tuple(shard.shape)) if shard.numel() else id(t)
         if key not in gathered:
             whole = full(t)
             gathered[key] = whole.cpu() if rank() == 0 else None
@@ -262,6 +274,7 @@ def load_full_state(model, optimizer, model_state, opt_state):
         model.load_state_dict(model_state)
         optimizer.load_state_dict(opt_state)
         return
+    from torch.distributed.tensor import distribute_tensor
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(distribute_tensor(model_state[name].to(p.device), p.device_mesh, p.placements, src_data_rank=None))
@@ -275,7 +288,6 @@ def load_full_state(model, optimizer, model_state, opt_state):
 def state_mib(model, optimizer):
     """MiB of parameters, gradients and optimizer state that this rank holds (its shards under
     FSDP; whole tensors under DDP or one process)."""
-    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
     tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
     tensors += [local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return sum(t.numel() * t.element_size() for t in tensors) / 2 ** 20
