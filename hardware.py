@@ -4,11 +4,21 @@ autocast), what its CPU can do (bf16 units), how its memory is handed out (glibc
 multiplies (peak FLOP/s for MFU). docs/precision.md tells why each choice is made.
 """
 import ctypes
+import os
 import re
 import sys
+import tempfile
 import time
 
 import torch
+
+# torch.compile's kernel cache does not tell a process whose ATen kernels are forced to one CPU
+# capability (ATEN_CPU_CAPABILITY=avx2, how the tests play an AVX2-only CPU) from a native one:
+# kernels cached by one gave NaNs from step 0, or a corrupted heap, in the other. Such a process
+# gets a cache of its own (read by inductor when it compiles; the trainer imports this first).
+if os.environ.get('ATEN_CPU_CAPABILITY') and 'TORCHINDUCTOR_CACHE_DIR' not in os.environ:
+    os.environ['TORCHINDUCTOR_CACHE_DIR'] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getattr(os, 'getuid', int)()}_{os.environ['ATEN_CPU_CAPABILITY']}")
 
 PRECISIONS = ('float32', 'float16', 'bfloat16')  # from the least capable hardware to the most
 AUTOCAST_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}

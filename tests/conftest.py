@@ -1,20 +1,13 @@
 import os
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
-# torch.compile's kernel cache does not tell a run with AVX2 kernels forced (ATEN_CPU_CAPABILITY=avx2,
-# the other CPU kind's tests) from a native one: kernels cached by one gave NaNs or corrupted the heap
-# in the other (seen on this project's machines). Each kind gets a cache of its own; the trainers the
-# tests start inherit it.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-    tempfile.gettempdir(), f"torchinductor_tests_{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"))
+import hardware  # noqa: E402,F401 -- first: a compile cache of its own under ATEN_CPU_CAPABILITY (hardware.py)
 
 # a model small enough for a few seconds of CPU training
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--compile=False", "--dtype=float32",
