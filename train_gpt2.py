@@ -285,7 +285,7 @@ def train_step(state, grad_accum_steps, lr, grad_clip, device, dtype):
     ok = finite_loss and finite_norm
     scale = scaler.get_scale() if finite_loss and not finite_norm else 0  # read only then: on a GPU it waits
     scaler.update()  # float16: halve the scale after an inf/nan gradient, double it after 2000 clean steps
-    overflow = scale > 1 and scaler.get_scale() < scale  # float16: a finite loss's inf/nan gradients lowered it
+    overflow = scale > 1 and scaler.get_scale() < scale  # fp16: a finite loss's inf/nan gradients lowered it; <= 1: bad step
     return loss_accum, norm, ok, overflow
 
 
