@@ -150,8 +150,7 @@ def test_kill9_of_torchrun_then_the_same_command(two, data, tmp_path):
     log_dir = tmp_path / "log"
     p = start(args(data, log_dir), nproc=2)
     wait_for_step(log_dir, 22, p)  # checkpoint 20 is written, and 2 more steps are logged
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    kill_group(p)
     assert not (log_dir / f"model_{MAX_STEPS:05d}.pt").exists()
     r = run_script(args(data, log_dir), nproc=2)
     assert r.returncode == 0, r.stderr
@@ -181,6 +180,31 @@ def test_torchrun_max_restarts_recovers_from_a_dead_worker(two, data, tmp_path):
     assert_log_complete(log_dir)
     assert read_log(log_dir) == read_log(two)
     assert_same(state(two), state(log_dir))
+
+
+def kill_group(p, timeout=60):
+    """kill -9 of p's process group (torchrun and its workers), then wait until none of them runs.
+    p.wait() reaps torchrun alone: a worker still freeing its memory holds its files, rank 0's
+    run.lock too, and the next start would find the log_dir in use (seen once in CI)."""
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    t0 = time.time()
+    while _running_in_group(p.pid):
+        assert time.time() - t0 < timeout, f"processes of group {p.pid} still run {timeout} s after kill -9"
+        time.sleep(0.01)
+
+
+def _running_in_group(pgid):
+    """Any process of group pgid that has not exited (a zombie has closed its files)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def _parent(pid):
