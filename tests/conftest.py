@@ -1,13 +1,16 @@
 import os
-import subprocess
+import signal
 import sys
+import time
 
 import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no internet here: the hub's offline mode, read when it is imported
 sys.path.insert(0, ROOT)
 import hardware  # noqa: E402,F401 -- first: a compile cache of its own under ATEN_CPU_CAPABILITY (hardware.py)
+import forked  # noqa: E402 -- the scripts' runs start from a fork of this process (forked.py)
 
 # a model small enough for a few seconds of CPU training
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--compile=False", "--dtype=float32",
@@ -30,15 +33,57 @@ def random_shards(folder, seed, val, train, vocab=512):
     return folder
 
 
+def one_thread():
+    """The environment for a command run by a test: one thread, as xdist runs two tests at once
+    (README), and forked.py can fork only such a command."""
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
 def run_script(args, nproc=None, timeout=300):
-    """Run train_gpt2.py as a user would: plain python, or real torchrun with nproc processes."""
+    """Run train_gpt2.py as a user would: plain python, or real torchrun with nproc processes
+    (the one, or torchrun's launcher, forked from this process: forked.py)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if nproc is None:
         cmd = [sys.executable, "train_gpt2.py", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "train_gpt2.py", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return forked.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def children(pid):
+    """The pids of pid's children (torchrun's: its workers)."""
+    return [int(c) for c in os.listdir("/proc") if c.isdigit() and _stat(c)[1:2] == [str(pid)]]
+
+
+def kill_job(p, timeout=60):
+    """kill -9 of the process p and all it started (torchrun: its workers), as a node failure or
+    SLURM's scancel does; returns once none of them runs. Killing torchrun's process group is not
+    enough: torchrun starts each worker in a session of its own, and the workers ran on (one held
+    run.lock when CI ran the same command again). A dying process holds its files until it is gone."""
+    tree, todo = [], [p.pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children(tree[-1])
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait()
+    t0 = time.time()
+    while any(_stat(pid)[:1] not in ([], ["Z"]) for pid in tree[1:]):  # gone, or a zombie: its files closed
+        assert time.time() - t0 < timeout, f"processes {tree} still run {timeout} s after kill -9"
+        time.sleep(0.01)
+
+
+def _stat(pid):
+    """/proc/pid/stat's fields after the command's name: state, ppid, ...; [] once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
 
 
 def read_log(log_dir):

@@ -1,6 +1,8 @@
 """bench.py's profile: the kernels of a compiled GPT-2 step on an H200 go to the right kinds."""
 import pytest
 
+import forked
+from conftest import one_thread
 from bench import kernel_kind
 
 # the first five as torch.profiler listed them on an H200 (torch 2.11, CUDA 13, compiled 124M step); the
@@ -30,15 +32,14 @@ def test_bench_recipe_prints_each_recipe_against_the_first(tmp_path):
     extra arguments, which every run takes) and prints the final val loss and bpb, ms per step and
     the step at which each reached the first recipe's final val loss."""
     import re
-    import subprocess
     import sys
     from conftest import ROOT, TINY, random_shards
     data = random_shards(tmp_path / "data", 0, 600, [5000], vocab=50257)
     tiny = [a for a in TINY if not a.startswith(("--warmup_steps", "--max_lr", "--min_lr"))]
-    r = subprocess.run([sys.executable, "bench.py", "--bench_recipe=True", "--bench_recipes=adamw+cosine,muon+wsd",
+    r = forked.run([sys.executable, "bench.py", "--bench_recipe=True", "--bench_recipes=adamw+cosine,muon+wsd",
                         f"--data_root={data}", *tiny, "--T=32", "--B=2", "--total_batch_size=64", "--max_steps=20",
                         "--val_tokens=256", "--warmup_steps=2", f"--bench_recipe_dir={tmp_path / 'logs'}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, env=one_thread())
     assert r.returncode == 0, r.stderr
     assert "cpu: " in r.stdout and "muon+wsd: --optimizer=muon --lr_schedule=wsd" in r.stdout
     rows = {m.group(1): m.groups()[1:] for m in re.finditer(
@@ -50,20 +51,20 @@ def test_bench_recipe_prints_each_recipe_against_the_first(tmp_path):
         assert (tmp_path / "logs" / name / "log.txt").exists() and str(tmp_path / "logs" / name) in r.stdout
     for bad_args, error in (("--bench_recipes=sgd", "bench_recipes='sgd': expected a comma-separated list of adamw+cosine"),
                             (f"--bench_recipe_dir={tmp_path / 'logs'}", f"{tmp_path / 'logs' / 'adamw+cosine'} exists")):
-        bad = subprocess.run([sys.executable, "bench.py", "--bench_recipe=True", bad_args], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
+        bad = forked.run([sys.executable, "bench.py", "--bench_recipe=True", bad_args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120, env=one_thread())
         assert bad.returncode == 1 and error in bad.stderr, bad.stderr
 
 
 def test_bench_step_takes_B_auto_as_the_trainer_does():
     """Issue 29: bench.py with B="auto" (the default) chooses as the trainer does, says so, and
     measures that B in its child process."""
-    import subprocess
     import sys
     from conftest import ROOT
     tiny = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=512", "--device=cpu",
             "--dtype=float32", "--compile=False"]
-    r = subprocess.run([sys.executable, "bench.py", *tiny, "--T=32", "--total_batch_size=128", "--bench_baseline=False",
-                        "--bench_steps=1", "--bench_warmup=0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = forked.run([sys.executable, "bench.py", *tiny, "--T=32", "--total_batch_size=128", "--bench_baseline=False",
+                        "--bench_steps=1", "--bench_warmup=0"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                   env=one_thread())
     assert r.returncode == 0, r.stderr[-3000:]
     assert "B=4 (auto): " in r.stdout and "batch: B=4 T=32 grad_accum=1 " in r.stdout, r.stdout[-3000:]

@@ -5,6 +5,7 @@ import glob
 import os
 import re
 
+import forked
 from conftest import ROOT
 
 REF = re.compile(r"`([A-Za-z_][\w/]*\.py):([A-Za-z_][\w.]*)`")
@@ -81,11 +82,10 @@ def bash_block(text, after):
 def run_command(line, cwd, *extra):
     """A `python X.py ...` line of the docs, run with this Python and the project's X.py."""
     import shlex
-    import subprocess
     import sys
     words = shlex.split(line)
     assert words[0] == "python" and words[1].endswith(".py"), line
-    r = subprocess.run([sys.executable, os.path.join(ROOT, words[1]), *words[2:], *extra], cwd=cwd,
+    r = forked.run([sys.executable, os.path.join(ROOT, words[1]), *words[2:], *extra], cwd=cwd,
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, (line, r.stdout[-2000:], r.stderr[-2000:])
     return r

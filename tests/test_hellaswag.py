@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+import forked
+from conftest import one_thread
 import hellaswag
 from errors import UserError
 from model import GPT, GPTConfig
@@ -162,7 +164,6 @@ def test_download(tmp_path):
 
 def test_standalone_cli(tmp_path, hf_and_ours):
     """python hellaswag.py --model <HF dir> --file ... prints what evaluate counts; a .pt checkpoint too."""
-    import subprocess
     import sys
     from conftest import ROOT
     hf, ours = hf_and_ours
@@ -173,12 +174,12 @@ def test_standalone_cli(tmp_path, hf_and_ours):
     want = f"acc: {c / n:.4f} acc_norm: {cn / n:.4f}"
     torch.save({"model": ours.state_dict(), "config": ours.config.__dict__}, tmp_path / "model_00001.pt")
     for model in (tmp_path / "hfdir", tmp_path / "model_00001.pt"):
-        r = subprocess.run([sys.executable, "hellaswag.py", "--model", str(model), "--file", str(tmp_path / "h.jsonl"),
-                            "--device", "cpu", "--limit", "15"], cwd=ROOT, capture_output=True, text=True)
+        r = forked.run([sys.executable, "hellaswag.py", "--model", str(model), "--file", str(tmp_path / "h.jsonl"),
+                            "--device", "cpu", "--limit", "15"], cwd=ROOT, capture_output=True, text=True, env=one_thread())
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip().splitlines()[-1] == want
-    r = subprocess.run([sys.executable, "hellaswag.py", "--model", str(tmp_path / "hfdir"), "--file",
-                        str(tmp_path / "missing.jsonl")], cwd=ROOT, capture_output=True, text=True)
+    r = forked.run([sys.executable, "hellaswag.py", "--model", str(tmp_path / "hfdir"), "--file",
+                        str(tmp_path / "missing.jsonl")], cwd=ROOT, capture_output=True, text=True, env=one_thread())
     assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'missing.jsonl'}: no such file (expected HellaSwag jsonl, one example per line)"
 
 

@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY, random_shards, read_log, run_script
-from test_resume import _parent, assert_same
+import forked
+from conftest import ROOT, TINY, children, kill_job, random_shards, read_log, run_script
+from test_resume import assert_same
 
 STEPS = 16
 COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=128", f"--max_steps={STEPS}",
@@ -111,7 +112,7 @@ def start_nodes(cmd_args, max_restarts=0):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=test", f"--max-restarts={max_restarts}",
            "train_gpt2.py", *cmd_args]
-    return [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return [forked.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True) for _ in range(2)]
 
 
@@ -122,7 +123,7 @@ def finish(nodes, timeout=240):
             outs.append(p.communicate(timeout=timeout)[0])
         except subprocess.TimeoutExpired:
             for q in nodes:
-                os.killpg(q.pid, signal.SIGKILL)
+                kill_job(q)
             raise AssertionError("the two-node job hung")
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(outs)
     return "\n".join(outs)
@@ -145,7 +146,7 @@ def test_two_nodes_recover_from_a_dead_worker(fsdp2, data, tmp_path):
     while not (log.exists() and "\n8 train " in "\n" + log.read_text()):  # model_00008.pt is on disk
         assert time.time() - t0 < 180 and all(p.poll() is None for p in nodes), "no step 8"
         time.sleep(0.005)
-    worker = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent(pid) == nodes[1].pid]
+    worker = children(nodes[1].pid)
     assert len(worker) == 1, worker
     os.kill(worker[0], signal.SIGKILL)
     out = finish(nodes)
@@ -220,7 +221,7 @@ def test_fsdp_eval_copy_is_gone_during_training(data, tmp_path):
     sharded one) each time."""
     (tmp_path / "probe.py").write_text(PROBE.format(root=ROOT))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    r = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(tmp_path / "probe.py"), *args(data, tmp_path / "log", "--parallel=fsdp", "--max_steps=10",
                                                           "--eval_interval=4", "--checkpoint_interval=0")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -260,7 +261,7 @@ def test_two_nodes_with_their_own_code_folders_both_download_hellaswag(tmp_path)
     for name in ("node_a", "node_b"):
         code = tmp_path / name
         shutil.copytree(ROOT, code, ignore=shutil.ignore_patterns(".*", "tests", "hellaswag", "docs", "__pycache__", "log*"))
-        nodes.append(subprocess.Popen(cmd, cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        nodes.append(forked.Popen(cmd, cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
     out = finish(nodes)
     assert "no HellaSwag eval" not in out, out

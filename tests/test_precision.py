@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 import hardware
 import model
 import train_gpt2
+import forked
 from conftest import ROOT, read_log, run_script
 from test_resume import INJECT, args, inject_nan, assert_same, data, one, state, wait_for_step  # noqa: F401 (fixtures)
 
@@ -131,7 +132,7 @@ def test_float16_resumes_bit_identically_after_kill9(fp16, data, tmp_path):
     AdamW state and loss scale (32768, restored: a fresh scaler would start at 65536)."""
     ref, _ = fp16
     log_dir = tmp_path / "log"
-    p = subprocess.Popen([sys.executable, "-c", INJECT.format(bad={10}), *args(data, log_dir, *FP16, "--max_bad_steps=1")],
+    p = forked.Popen([sys.executable, "-c", INJECT.format(bad={10}), *args(data, log_dir, *FP16, "--max_bad_steps=1")],
                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for_step(log_dir, 22, p)
@@ -150,7 +151,7 @@ def test_two_processes_skip_the_same_overflow(fp16, data, tmp_path):
     rank, every rank skips it (no hang, no divergence), and the run matches the 1-process run."""
     script = tmp_path / "inject.py"
     script.write_text(INJECT.format(bad={10}))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+    r = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
                         *args(data, tmp_path / "log", *FP16, "--max_bad_steps=1")], cwd=ROOT, capture_output=True,
                        text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
@@ -188,7 +189,7 @@ def test_an_overflow_one_rank_sees_is_skipped_by_all(data, tmp_path):
     script.write_text(ONE_RANK)
     logs = {}
     for parallel in ("ddp", "fsdp"):
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        r = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                             str(script), *args(data, tmp_path / parallel, *FP16, "--max_steps=16", f"--parallel={parallel}")],
                            cwd=ROOT, capture_output=True, text=True, timeout=300,
                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))

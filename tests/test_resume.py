@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY, random_shards, read_log, run_script, write_shards
+import forked
+from conftest import ROOT, TINY, children, kill_job, random_shards, read_log, run_script, write_shards
 from checkpoint import RESUME_KEYS
 
 MAX_STEPS = 120
@@ -59,7 +60,7 @@ def start(cmd_args, nproc=None, torchrun_args=(), **kw):
     cmd = [sys.executable, "train_gpt2.py"] if nproc is None else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
         "train_gpt2.py"]
-    return subprocess.Popen([*cmd, *cmd_args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return forked.Popen([*cmd, *cmd_args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, **kw)
 
 
@@ -150,7 +151,7 @@ def test_kill9_of_torchrun_then_the_same_command(two, data, tmp_path):
     log_dir = tmp_path / "log"
     p = start(args(data, log_dir), nproc=2)
     wait_for_step(log_dir, 22, p)  # checkpoint 20 is written, and 2 more steps are logged
-    kill_group(p)
+    kill_job(p)
     assert not (log_dir / f"model_{MAX_STEPS:05d}.pt").exists()
     r = run_script(args(data, log_dir), nproc=2)
     assert r.returncode == 0, r.stderr
@@ -166,53 +167,19 @@ def test_torchrun_max_restarts_recovers_from_a_dead_worker(two, data, tmp_path):
     log_dir = tmp_path / "log"
     p = start(args(data, log_dir), nproc=2, torchrun_args=["--max-restarts=1"])
     wait_for_step(log_dir, 22, p)
-    workers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent(pid) == p.pid]
-    rank1 = [pid for pid in workers if b"\0RANK=1\0" in b"\0" + open(f"/proc/{pid}/environ", "rb").read()]
-    assert len(rank1) == 1, workers
+    rank1 = [pid for pid in children(p.pid) if b"\0RANK=1\0" in b"\0" + open(f"/proc/{pid}/environ", "rb").read()]
+    assert len(rank1) == 1, children(p.pid)
     os.kill(rank1[0], signal.SIGKILL)
     try:
         out, _ = p.communicate(timeout=180)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        kill_job(p)
         raise AssertionError("the restarted group hung")
     assert p.returncode == 0, out
     assert out.count("resuming from") == 1, out
     assert_log_complete(log_dir)
     assert read_log(log_dir) == read_log(two)
     assert_same(state(two), state(log_dir))
-
-
-def kill_group(p, timeout=60):
-    """kill -9 of p's process group (torchrun and its workers), then wait until none of them runs.
-    p.wait() reaps torchrun alone: a worker still freeing its memory holds its files, rank 0's
-    run.lock too, and the next start would find the log_dir in use (seen once in CI)."""
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    t0 = time.time()
-    while _running_in_group(p.pid):
-        assert time.time() - t0 < timeout, f"processes of group {p.pid} still run {timeout} s after kill -9"
-        time.sleep(0.01)
-
-
-def _running_in_group(pgid):
-    """Any process of group pgid that has not exited (a zombie has closed its files)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-def _parent(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def test_sigterm_checkpoints_the_current_step_and_exits_75(one, two, data, tmp_path):
@@ -380,7 +347,7 @@ train_gpt2.main(sys.argv[1:])
 
 def inject_nan(bad_steps, cmd_args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-c", INJECT.format(bad=set(bad_steps)), *cmd_args], cwd=ROOT, env=env,
+    return forked.run([sys.executable, "-c", INJECT.format(bad=set(bad_steps)), *cmd_args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

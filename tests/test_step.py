@@ -4,12 +4,12 @@ compiled training graph, a stuck rank ends the run after collective_timeout whil
 work alone does not, and replicas that drift apart stop the run before a checkpoint."""
 import os
 import re
-import subprocess
 import sys
 import time
 
 import pytest
 
+import forked
 from conftest import ROOT, TINY, random_shards, read_log
 
 COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=128", "--val_tokens=256",
@@ -27,7 +27,7 @@ def launch(script, tmp_path, args, nproc, env=(), timeout=300):
     (tmp_path / "script.py").write_text(script)
     launcher = [sys.executable] if nproc is None else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                       f"--nproc_per_node={nproc}"]
-    return subprocess.run([*launcher, str(tmp_path / "script.py"), *args], cwd=ROOT, capture_output=True, text=True,
+    return forked.run([*launcher, str(tmp_path / "script.py"), *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                                                     PYTHONPATH=ROOT, **dict(env)))
 

@@ -11,7 +11,8 @@ import torch
 
 import plot
 import sample
-from conftest import ROOT, TINY, random_shards, read_log, run_script
+import forked
+from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
 from model import GPT
 
 ARGS = [*TINY, "--B=2", "--T=16", "--total_batch_size=64", "--eval_interval=3", "--val_tokens=64",
@@ -19,8 +20,8 @@ ARGS = [*TINY, "--B=2", "--T=16", "--total_batch_size=64", "--eval_interval=3", 
 
 
 def tool(*args, env=None):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})))
+    return forked.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                      env=dict(one_thread(), **(env or {})))
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,8 @@ def test_wandb_is_not_imported_when_off(tmp_path):
     data = random_shards(tmp_path / "data", 0, 2000, [2000])
     code = ("import sys, train_gpt2; train_gpt2.main(sys.argv[1:]); "
             "print('wandb imported:', 'wandb' in sys.modules)")
-    r = tool("-c", code, *ARGS, f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--max_steps=1")
+    r = subprocess.run([sys.executable, "-c", code, *ARGS, f"--data_root={data}", f"--log_dir={tmp_path / 'log'}",
+                        "--max_steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # a fresh interpreter
     assert r.returncode == 0, r.stderr
     assert "wandb imported: False" in r.stdout
 

@@ -5,7 +5,8 @@ import re
 import numpy as np
 import torch
 
-from conftest import TINY, random_shards, read_log, run_script, write_shards
+import forked
+from conftest import TINY, one_thread, random_shards, read_log, run_script, write_shards
 from hardware import cpu_has_bf16
 from model import GPT, GPTConfig
 from test_hellaswag import make_examples, write_file
@@ -138,12 +139,11 @@ def test_torchrun_error_is_one_clean_line(tmp_path):
 
 def test_quick_start_pipeline(tmp_path):
     """fineweb.py --demo, then config/demo_cpu.py (shortened): the README's quick start."""
-    import subprocess
     import sys
     from conftest import ROOT
     data, log_dir = tmp_path / "demo", tmp_path / "log"
-    r = subprocess.run([sys.executable, "fineweb.py", "--demo", "--out_dir", str(data)], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = forked.run([sys.executable, "fineweb.py", "--demo", "--out_dir", str(data)], cwd=ROOT,
+                       capture_output=True, text=True, env=one_thread())
     assert r.returncode == 0, r.stderr
     r = run_script(["config/demo_cpu.py", f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=4", "--warmup_steps=2",
                     "--eval_interval=4", "--sample_interval=4", "--sample_length=8", "--val_tokens=4096"])

@@ -1,0 +1,220 @@
+"""`python script.py args`, `python -c code args` and `python -m torch.distributed.run args` for the
+tests, started from a fork of the test process: drop-in `run` and `Popen` for subprocess's.
+
+Most of a short run's seconds are Python starting and stopping, not training: importing torch
+(~1.5 s), torch._dynamo (torch.optim imports it: ~1 s) and the rest, then tearing them down at
+exit (~1 s). Here they are imported once per test process (PRELOAD) and every run is a fork of
+it: a process of its own, with the command's argv, working folder, environment, signals, exit
+code, and stdout/stderr at file descriptors 1 and 2, as the real command has. What differs: the
+interpreter's teardown is skipped (os._exit after flushing; nothing of ours needs it: every file
+that matters is closed and renamed before main returns). Two things cannot be had in a fork,
+so a command that needs them runs as a real subprocess: variables read when torch is imported
+(a command whose environment changes anything but RUNTIME_ENV), and more than one thread (the
+command must set OMP_NUM_THREADS=1: OpenMP's pool of threads is not in the fork, and a parallel
+region would wait on it forever). torchrun's workers are always fresh interpreters, as in
+production: only the launcher is forked.
+"""
+import ctypes
+import io
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "train_gpt2")
+# read when a run reads them, never at import: the same in a fork as in a fresh interpreter
+RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "FREE_0", "FREE_1", "FAULT", "WANDB_MODE", "WANDB_SILENT"}
+PIPE, STDOUT, DEVNULL = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
+_preloaded = False
+
+
+def forkable(cmd, kw):
+    """Whether subprocess's cmd and keyword arguments can run as a fork: [sys.executable, then a
+    script, -c code or -m torch.distributed.run, ...], in an environment that changes nothing
+    read at import, with no more than stdout/stderr/cwd/text/start_new_session/timeout asked for."""
+    if len(cmd) < 2 or cmd[0] != sys.executable or not set(kw) <= {"cwd", "env", "stdout", "stderr", "text",
+                                                                    "start_new_session", "capture_output", "timeout"}:
+        return False
+    env = kw.get("env") or os.environ
+    if cmd[1] == "-m":  # the launcher reads nothing at import that its workers, fresh interpreters, would not
+        return cmd[2:3] == ["torch.distributed.run"]
+    folder = os.path.dirname(os.path.abspath(os.path.join(kw.get("cwd") or os.getcwd(), cmd[1])))
+    if cmd[1] != "-c" and folder != ROOT and any(os.path.exists(os.path.join(folder, f"{m}.py")) for m in list(sys.modules)):
+        return False  # a script beside modules of its own (another checkout): this process holds ours
+    changed = {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)}
+    if env.get("PYTHONPATH") == ROOT:  # the project's root is on the test process's sys.path already
+        changed.discard("PYTHONPATH")
+    return changed <= RUNTIME_ENV and (cmd[1] == "-c" or not cmd[1].startswith("-")) and env.get("OMP_NUM_THREADS") == "1"
+
+
+def Popen(cmd, **kw):
+    """subprocess.Popen(cmd, **kw), forked when it can be."""
+    return Forked(cmd, **kw) if forkable(cmd, kw) else subprocess.Popen(cmd, **kw)
+
+
+def run(cmd, capture_output=False, timeout=None, **kw):
+    """subprocess.run(cmd, ...), forked when it can be: a CompletedProcess, or TimeoutExpired after
+    the child is killed."""
+    if not forkable(cmd, kw):
+        return subprocess.run(cmd, capture_output=capture_output, timeout=timeout, **kw)
+    if capture_output:
+        kw.update(stdout=PIPE, stderr=PIPE)
+    p = Forked(cmd, **kw)
+    try:
+        out, err = p.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+class Forked:
+    """What the tests use of subprocess.Popen (pid, poll, wait, communicate, send_signal, kill,
+    returncode, stdout), over a child forked from this process. Output asked for with PIPE goes
+    to a temporary file, read when asked (no pipe to fill up and block the child)."""
+
+    def __init__(self, cmd, cwd=None, env=None, stdout=None, stderr=None, text=False, start_new_session=False):
+        global _preloaded
+        if not _preloaded:
+            for name in PRELOAD:
+                __import__(name)
+            _preloaded = True
+        self.args, self.returncode, self._text = cmd, None, text
+        piped = {fd: tempfile.TemporaryFile() for fd, where in ((1, stdout), (2, stderr)) if where == PIPE}
+        to = {fd: piped[fd].fileno() if fd in piped else None for fd in (1, 2)}  # None: this process's
+        if stderr == STDOUT:
+            to[2] = to[1] if to[1] is not None else 1
+        for fd, where in ((1, stdout), (2, stderr)):
+            if where == DEVNULL:
+                to[fd] = os.open(os.devnull, os.O_WRONLY)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            _child(cmd, cwd, dict(os.environ if env is None else env), to, start_new_session)  # never returns
+        for fd, where in ((1, stdout), (2, stderr)):
+            if where == DEVNULL:
+                os.close(to[fd])
+        self._piped, self._pidfd = piped, os.pidfd_open(self.pid)
+        self.stdout = self._open(1) if 1 in piped else None
+        self.stderr = self._open(2) if 2 in piped else None
+
+    def _open(self, fd):
+        """A reader of what the child writes to fd, from the start, with an offset of its own."""
+        f = open(f"/proc/self/fd/{self._piped[fd].fileno()}", "rb")
+        return io.TextIOWrapper(f, encoding="utf-8", errors="replace") if self._text else f
+
+    def poll(self):
+        return self.wait(0) if self.returncode is None and select.select([self._pidfd], [], [], 0)[0] else self.returncode
+
+    def wait(self, timeout=None):
+        """The exit code, waiting on the child's pidfd (an event, not a polling loop)."""
+        if self.returncode is None:
+            if not select.select([self._pidfd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            os.close(self._pidfd)
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        """(stdout, stderr) as subprocess gives them: all that PIPE collected, else None."""
+        self.wait(timeout)
+        return tuple(getattr(self, name).read() if getattr(self, name) else None for name in ("stdout", "stderr"))
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+def _child(cmd, cwd, env, to, new_session):
+    """In the forked child: become the command, run it as `python` would, and exit with its code."""
+    code = 1
+    try:
+        if new_session:
+            os.setsid()
+        opened = {}  # an open file of its own (append): the parent's reader keeps its own offset
+        for fd, src in to.items():
+            if src is not None:
+                if src not in opened:
+                    opened[src] = os.open(f"/proc/self/fd/{src}", os.O_WRONLY | os.O_APPEND)
+                os.dup2(opened[src], fd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        # killed with the test process: a child stuck here must not hold its pipes (xdist's) open. Its
+        # other files stay open: closing them would let a finalizer close a number since reused
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        os.environ.clear()
+        os.environ.update(env)
+        if cwd is not None:
+            os.chdir(cwd)
+        was_stdout = {id(sys.stdout), id(sys.__stdout__)}
+        sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(open(1, "wb", closefd=False), write_through=True)  # unbuffered
+        sys.stderr = sys.__stderr__ = io.TextIOWrapper(open(2, "wb", closefd=False), write_through=True,
+                                                       errors="backslashreplace")
+        # as a fresh interpreter starts: default signal handlers, warnings, logging and threads
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in (signal.SIGTERM, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        import faulthandler
+        import logging
+        import torch
+        faulthandler.disable()
+        warnings.resetwarnings()
+        warnings.showwarning = warnings._showwarning_orig
+        for action, category in (("default", DeprecationWarning), ("ignore", DeprecationWarning),
+                                 ("ignore", PendingDeprecationWarning), ("ignore", ImportWarning),
+                                 ("ignore", ResourceWarning)):
+            warnings.filterwarnings(action, category=category, module="__main__" if action == "default" else "",
+                                    append=True)
+        logging.root.handlers.clear()  # pytest's capture
+        logging.root.setLevel(logging.WARNING)
+        for logger in logging.Logger.manager.loggerDict.values():  # torch's: made on the test's streams, closed here
+            for h in getattr(logger, "handlers", []):
+                if type(h) is logging.StreamHandler:
+                    h.stream = sys.stdout if id(h.stream) in was_stdout else sys.stderr  # no flush of the old
+        torch.set_num_threads(1)  # OMP_NUM_THREADS=1 (forkable): OpenMP's pool of threads is not in the fork
+        if cmd[1] == "-c":
+            sys.argv = ["-c", *cmd[3:]]
+            sys.path[0:0] = [""]
+            main = sys.modules["__main__"] = type(sys)("__main__")
+            exec(compile(cmd[2], "<string>", "exec"), main.__dict__)
+        elif cmd[1] == "-m":
+            import runpy
+            sys.argv = [cmd[2], *cmd[3:]]
+            runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
+        else:
+            import runpy
+            sys.argv = cmd[1:]
+            sys.path[0:0] = [os.path.dirname(os.path.abspath(cmd[1]))]
+            runpy.run_path(cmd[1], run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException as e:  # the traceback from the command's own first frame, as python prints it
+        tb = e.__traceback__
+        while tb and tb.tb_frame.f_code.co_filename in (__file__, getattr(sys.modules.get("runpy"), "__file__", "")):
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb)
+        code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            if code < 0:  # killed by the signal, as Python ends after an unhandled KeyboardInterrupt
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+            os._exit(code & 0xFF)
