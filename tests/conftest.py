@@ -114,6 +114,7 @@ QUICK = {
                      "test_unfinished", "test_val_tokens_span", "test_loader_state", "test_token_ids_beyond"],
     "test_docs.py": ["test_resolver", "test_every_code_reference", "test_ddp_guide", "test_config_files_are",
                      "test_one_gpt2_hellaswag", "test_slurm_lead", "test_readme_is"],
+    "test_forked.py": ["test_what_a_fork_cannot", "test_a_timeout"],
     "test_fineweb.py": ["test_glob_max_tokens", "test_interrupted_then_rerun", "test_error_paths"],
     "test_hellaswag.py": ["test_render_example", "test_bad_lines", "test_download", "test_synthetic_examples",
                           "test_load_for_training", "test_onednn_routing", "test_long_examples"],

@@ -15,6 +15,7 @@ region would wait on it forever). torchrun's workers are always fresh interprete
 production: only the launcher is forked.
 """
 import ctypes
+import importlib
 import io
 import os
 import select
@@ -156,10 +157,12 @@ def _child(cmd, cwd, env, to, new_session):
         if cwd is not None:
             os.chdir(cwd)
         was_stdout = {id(sys.stdout), id(sys.__stdout__)}
+        raw = bool(env.get("PYTHONUNBUFFERED"))  # as python buffers: by block, stderr and a terminal by line
         sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
-        sys.stdout = sys.__stdout__ = io.TextIOWrapper(open(1, "wb", closefd=False), write_through=True)  # unbuffered
-        sys.stderr = sys.__stderr__ = io.TextIOWrapper(open(2, "wb", closefd=False), write_through=True,
-                                                       errors="backslashreplace")
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(open(1, "wb", buffering=0 if raw else -1, closefd=False),
+                                                       write_through=raw, line_buffering=os.isatty(1))
+        sys.stderr = sys.__stderr__ = io.TextIOWrapper(open(2, "wb", buffering=0 if raw else -1, closefd=False),
+                                                       write_through=raw, line_buffering=True, errors="backslashreplace")
         # as a fresh interpreter starts: default signal handlers, warnings, logging and threads
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for sig in (signal.SIGTERM, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2):
@@ -169,8 +172,8 @@ def _child(cmd, cwd, env, to, new_session):
         import logging
         import torch
         faulthandler.disable()
+        importlib.reload(warnings)  # pytest's catch_warnings replaced how they are shown
         warnings.resetwarnings()
-        warnings.showwarning = warnings._showwarning_orig
         for action, category in (("default", DeprecationWarning), ("ignore", DeprecationWarning),
                                  ("ignore", PendingDeprecationWarning), ("ignore", ImportWarning),
                                  ("ignore", ResourceWarning)):
