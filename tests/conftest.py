@@ -103,7 +103,7 @@ def enc():
 
 
 # The quick tier, for the edit loop: `python -m pytest -q tests -m quick`, each file's fastest
-# contracts (in-process, or one short run), about a minute on 2 cores. The README's command and
+# contracts (in-process, or one short run), about 30 s on 2 cores. The README's command and
 # CI run everything. A test is in the tier when its name (with its parameters) starts with one of
 # its file's prefixes here; a prefix that matches no test is an error, so a rename cannot drop one.
 QUICK = {

@@ -45,12 +45,14 @@ def forkable(cmd, kw):
     if cmd[1] == "-m":  # the launcher reads nothing at import that its workers, fresh interpreters, would not
         return cmd[2:3] == ["torch.distributed.run"]
     folder = os.path.dirname(os.path.abspath(os.path.join(kw.get("cwd") or os.getcwd(), cmd[1])))
-    if cmd[1] != "-c" and folder != ROOT and any(os.path.exists(os.path.join(folder, f"{m}.py")) for m in list(sys.modules)):
+    if cmd[1] != "-c" and folder != ROOT and any(os.path.exists(os.path.join(folder, f"{m}.py"))
+                                                 for m in list(sys.modules)):
         return False  # a script beside modules of its own (another checkout): this process holds ours
     changed = {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)}
     if env.get("PYTHONPATH") == ROOT:  # the project's root is on the test process's sys.path already
         changed.discard("PYTHONPATH")
-    return changed <= RUNTIME_ENV and (cmd[1] == "-c" or not cmd[1].startswith("-")) and env.get("OMP_NUM_THREADS") == "1"
+    return (changed <= RUNTIME_ENV and (cmd[1] == "-c" or not cmd[1].startswith("-"))
+            and env.get("OMP_NUM_THREADS") == "1")
 
 
 def Popen(cmd, **kw):
@@ -112,7 +114,8 @@ class Forked:
         return io.TextIOWrapper(f, encoding="utf-8", errors="replace") if self._text else f
 
     def poll(self):
-        return self.wait(0) if self.returncode is None and select.select([self._pidfd], [], [], 0)[0] else self.returncode
+        exited = self.returncode is None and select.select([self._pidfd], [], [], 0)[0]
+        return self.wait(0) if exited else self.returncode
 
     def wait(self, timeout=None):
         """The exit code, waiting on the child's pidfd (an event, not a polling loop)."""
@@ -162,7 +165,8 @@ def _child(cmd, cwd, env, to, new_session):
         sys.stdout = sys.__stdout__ = io.TextIOWrapper(open(1, "wb", buffering=0 if raw else -1, closefd=False),
                                                        write_through=raw, line_buffering=os.isatty(1))
         sys.stderr = sys.__stderr__ = io.TextIOWrapper(open(2, "wb", buffering=0 if raw else -1, closefd=False),
-                                                       write_through=raw, line_buffering=True, errors="backslashreplace")
+                                                       write_through=raw, line_buffering=True,
+                                                       errors="backslashreplace")
         # as a fresh interpreter starts: default signal handlers, warnings, logging and threads
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for sig in (signal.SIGTERM, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2):

@@ -39,7 +39,7 @@ def test_bench_recipe_prints_each_recipe_against_the_first(tmp_path):
     r = forked.run([sys.executable, "bench.py", "--bench_recipe=True", "--bench_recipes=adamw+cosine,muon+wsd",
                         f"--data_root={data}", *tiny, "--T=32", "--B=2", "--total_batch_size=64", "--max_steps=20",
                         "--val_tokens=256", "--warmup_steps=2", f"--bench_recipe_dir={tmp_path / 'logs'}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300, env=one_thread())
+                   capture_output=True, text=True, timeout=300, env=one_thread())
     assert r.returncode == 0, r.stderr
     assert "cpu: " in r.stdout and "muon+wsd: --optimizer=muon --lr_schedule=wsd" in r.stdout
     rows = {m.group(1): m.groups()[1:] for m in re.finditer(
@@ -52,7 +52,7 @@ def test_bench_recipe_prints_each_recipe_against_the_first(tmp_path):
     for bad_args, error in (("--bench_recipes=sgd", "bench_recipes='sgd': expected a comma-separated list of adamw+cosine"),
                             (f"--bench_recipe_dir={tmp_path / 'logs'}", f"{tmp_path / 'logs' / 'adamw+cosine'} exists")):
         bad = forked.run([sys.executable, "bench.py", "--bench_recipe=True", bad_args], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120, env=one_thread())
+                         capture_output=True, text=True, timeout=120, env=one_thread())
         assert bad.returncode == 1 and error in bad.stderr, bad.stderr
 
 

@@ -274,7 +274,7 @@ def test_demo_corpus_is_deterministic(tmp_path, enc):
     assert len(first) > 500 and any("def " in d for d in first)
     for n in (1, 2):
         r = forked.run([sys.executable, "fineweb.py", "--demo", "--out_dir", str(tmp_path / f"d{n}")],
-                           cwd=ROOT, capture_output=True, text=True, env=one_thread())
+                       cwd=ROOT, capture_output=True, text=True, env=one_thread())
         assert r.returncode == 0, r.stderr
     a, b = shard_files(tmp_path / "d1"), shard_files(tmp_path / "d2")
     assert a == b and len(a) > 5

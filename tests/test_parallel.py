@@ -113,7 +113,7 @@ def start_nodes(cmd_args, max_restarts=0):
            f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=test", f"--max-restarts={max_restarts}",
            "train_gpt2.py", *cmd_args]
     return [forked.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True) for _ in range(2)]
+                         start_new_session=True) for _ in range(2)]
 
 
 def finish(nodes, timeout=240):
@@ -224,7 +224,7 @@ def test_fsdp_eval_copy_is_gone_during_training(data, tmp_path):
     r = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(tmp_path / "probe.py"), *args(data, tmp_path / "log", "--parallel=fsdp", "--max_steps=10",
                                                           "--eval_interval=4", "--checkpoint_interval=0")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     counts = re.findall(r"live GPTs: (\d+)", r.stdout)
     assert len(counts) == 2 * 10 and set(counts) == {"1"}, counts
@@ -262,7 +262,7 @@ def test_two_nodes_with_their_own_code_folders_both_download_hellaswag(tmp_path)
         code = tmp_path / name
         shutil.copytree(ROOT, code, ignore=shutil.ignore_patterns(".*", "tests", "hellaswag", "docs", "__pycache__", "log*"))
         nodes.append(forked.Popen(cmd, cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
+                                  start_new_session=True))
     out = finish(nodes)
     assert "no HellaSwag eval" not in out, out
     assert sorted(read_log(tmp_path / "log")["hella"]) == [0, 2]

@@ -61,7 +61,7 @@ def start(cmd_args, nproc=None, torchrun_args=(), **kw):
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
         "train_gpt2.py"]
     return forked.Popen([*cmd, *cmd_args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, **kw)
+                        text=True, start_new_session=True, **kw)
 
 
 def wait_for_step(log_dir, step, proc, timeout=120):
@@ -348,7 +348,7 @@ train_gpt2.main(sys.argv[1:])
 def inject_nan(bad_steps, cmd_args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return forked.run([sys.executable, "-c", INJECT.format(bad=set(bad_steps)), *cmd_args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                      capture_output=True, text=True, timeout=300)
 
 
 def test_non_finite_step_is_skipped(one, data, tmp_path):

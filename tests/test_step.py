@@ -28,7 +28,7 @@ def launch(script, tmp_path, args, nproc, env=(), timeout=300):
     launcher = [sys.executable] if nproc is None else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                       f"--nproc_per_node={nproc}"]
     return forked.run([*launcher, str(tmp_path / "script.py"), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                      timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                                                     PYTHONPATH=ROOT, **dict(env)))
 
 

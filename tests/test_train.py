@@ -143,7 +143,7 @@ def test_quick_start_pipeline(tmp_path):
     from conftest import ROOT
     data, log_dir = tmp_path / "demo", tmp_path / "log"
     r = forked.run([sys.executable, "fineweb.py", "--demo", "--out_dir", str(data)], cwd=ROOT,
-                       capture_output=True, text=True, env=one_thread())
+                   capture_output=True, text=True, env=one_thread())
     assert r.returncode == 0, r.stderr
     r = run_script(["config/demo_cpu.py", f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=4", "--warmup_steps=2",
                     "--eval_interval=4", "--sample_interval=4", "--sample_length=8", "--val_tokens=4096"])
