@@ -12,7 +12,8 @@ so a command that needs them runs as a real subprocess: variables read when torc
 (a command whose environment changes anything but RUNTIME_ENV), and more than one thread (the
 command must set OMP_NUM_THREADS=1: OpenMP's pool of threads is not in the fork, and a parallel
 region would wait on it forever). torchrun's workers are always fresh interpreters, as in
-production: only the launcher is forked.
+production: only the launcher is forked. A test about what a fresh interpreter imports (lazy
+imports) must use subprocess itself: a fork starts with this process's modules.
 """
 import ctypes
 import importlib
