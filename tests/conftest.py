@@ -33,16 +33,16 @@ def random_shards(folder, seed, val, train, vocab=512):
     return folder
 
 
-def one_thread():
-    """The environment for a command run by a test: one thread, as xdist runs two tests at once
-    (README), and forked.py can fork only such a command."""
-    return dict(os.environ, OMP_NUM_THREADS="1")
+def one_thread(**extra):
+    """The environment for a command run by a test (and extra): one thread, as xdist runs two tests
+    at once (README), and forked.py can fork only such a command."""
+    return dict(os.environ, OMP_NUM_THREADS="1", **extra)
 
 
 def run_script(args, nproc=None, timeout=300):
     """Run train_gpt2.py as a user would: plain python, or real torchrun with nproc processes
     (the one, or torchrun's launcher, forked from this process: forked.py)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = one_thread(PYTHONUNBUFFERED="1")
     if nproc is None:
         cmd = [sys.executable, "train_gpt2.py", *args]
     else:

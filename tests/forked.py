@@ -31,16 +31,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "train_gpt2")
 # read when a run reads them, never at import: the same in a fork as in a fresh interpreter
 RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "FREE_0", "FREE_1", "FAULT", "WANDB_MODE", "WANDB_SILENT"}
-PIPE, STDOUT, DEVNULL = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
-_preloaded = False
+PIPE, STDOUT = subprocess.PIPE, subprocess.STDOUT
 
 
 def forkable(cmd, kw):
     """Whether subprocess's cmd and keyword arguments can run as a fork: [sys.executable, then a
     script, -c code or -m torch.distributed.run, ...], in an environment that changes nothing
-    read at import, with no more than stdout/stderr/cwd/text/start_new_session/timeout asked for."""
+    read at import, with no more than stdout/stderr (PIPE, STDOUT)/cwd/text/start_new_session/timeout
+    asked for."""
     if len(cmd) < 2 or cmd[0] != sys.executable or not set(kw) <= {"cwd", "env", "stdout", "stderr", "text",
                                                                     "start_new_session", "capture_output", "timeout"}:
+        return False
+    if kw.get("stdout") not in (None, PIPE) or kw.get("stderr") not in (None, PIPE, STDOUT):
         return False
     env = kw.get("env") or os.environ
     if cmd[1] == "-m":  # the launcher reads nothing at import that its workers, fresh interpreters, would not
@@ -84,27 +86,18 @@ class Forked:
     to a temporary file, read when asked (no pipe to fill up and block the child)."""
 
     def __init__(self, cmd, cwd=None, env=None, stdout=None, stderr=None, text=False, start_new_session=False):
-        global _preloaded
-        if not _preloaded:
-            for name in PRELOAD:
-                __import__(name)
-            _preloaded = True
+        for name in PRELOAD:  # imported once, by the first fork (sys.modules answers after it)
+            __import__(name)
         self.args, self.returncode, self._text = cmd, None, text
         piped = {fd: tempfile.TemporaryFile() for fd, where in ((1, stdout), (2, stderr)) if where == PIPE}
         to = {fd: piped[fd].fileno() if fd in piped else None for fd in (1, 2)}  # None: this process's
         if stderr == STDOUT:
             to[2] = to[1] if to[1] is not None else 1
-        for fd, where in ((1, stdout), (2, stderr)):
-            if where == DEVNULL:
-                to[fd] = os.open(os.devnull, os.O_WRONLY)
         sys.stdout.flush()
         sys.stderr.flush()
         self.pid = os.fork()
         if self.pid == 0:
             _child(cmd, cwd, dict(os.environ if env is None else env), to, start_new_session)  # never returns
-        for fd, where in ((1, stdout), (2, stderr)):
-            if where == DEVNULL:
-                os.close(to[fd])
         self._piped, self._pidfd = piped, os.pidfd_open(self.pid)
         self.stdout = self._open(1) if 1 in piped else None
         self.stderr = self._open(2) if 2 in piped else None

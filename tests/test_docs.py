@@ -6,7 +6,7 @@ import os
 import re
 
 import forked
-from conftest import ROOT
+from conftest import ROOT, one_thread
 
 REF = re.compile(r"`([A-Za-z_][\w/]*\.py):([A-Za-z_][\w.]*)`")
 
@@ -86,7 +86,7 @@ def run_command(line, cwd, *extra):
     words = shlex.split(line)
     assert words[0] == "python" and words[1].endswith(".py"), line
     r = forked.run([sys.executable, os.path.join(ROOT, words[1]), *words[2:], *extra], cwd=cwd,
-                   capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                   capture_output=True, text=True, timeout=300, env=one_thread())
     assert r.returncode == 0, (line, r.stdout[-2000:], r.stderr[-2000:])
     return r
 

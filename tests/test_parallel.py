@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import forked
-from conftest import ROOT, TINY, children, kill_job, random_shards, read_log, run_script
+from conftest import ROOT, TINY, children, kill_job, one_thread, random_shards, read_log, run_script
 from test_resume import assert_same
 
 STEPS = 16
@@ -108,7 +108,7 @@ def free_port():
 def start_nodes(cmd_args, max_restarts=0):
     """Two torchrun agents on this machine (--nnodes=2, one process each), meeting through c10d
     rendezvous on 127.0.0.1, as two nodes would."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = one_thread(PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=test", f"--max-restarts={max_restarts}",
            "train_gpt2.py", *cmd_args]
@@ -220,7 +220,7 @@ def test_fsdp_eval_copy_is_gone_during_training(data, tmp_path):
     collector before every training step of both ranks, evals at steps 0, 4, 8, ...: one GPT (the
     sharded one) each time."""
     (tmp_path / "probe.py").write_text(PROBE.format(root=ROOT))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = one_thread(PYTHONUNBUFFERED="1")
     r = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(tmp_path / "probe.py"), *args(data, tmp_path / "log", "--parallel=fsdp", "--max_steps=10",
                                                           "--eval_interval=4", "--checkpoint_interval=0")],
@@ -251,8 +251,8 @@ def test_two_nodes_with_their_own_code_folders_both_download_hellaswag(tmp_path)
     write_file(tmp_path / "source.jsonl", make_examples(23, seed=5))
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(FAKE_DOWNLOAD)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(tmp_path / "site"),
-               DOWNLOADS=str(tmp_path / "downloads"), HELLASWAG_SOURCE=str(tmp_path / "source.jsonl"))
+    env = one_thread(PYTHONUNBUFFERED="1", PYTHONPATH=str(tmp_path / "site"),
+                     DOWNLOADS=str(tmp_path / "downloads"), HELLASWAG_SOURCE=str(tmp_path / "source.jsonl"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=hella", "train_gpt2.py", *TINY,
            f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--B=2", "--T=16", "--total_batch_size=64",

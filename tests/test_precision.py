@@ -14,7 +14,7 @@ import hardware
 import model
 import train_gpt2
 import forked
-from conftest import ROOT, read_log, run_script
+from conftest import ROOT, one_thread, read_log, run_script
 from test_resume import INJECT, args, inject_nan, assert_same, data, one, state, wait_for_step  # noqa: F401 (fixtures)
 
 FP16 = ["--dtype=float16"]
@@ -133,7 +133,7 @@ def test_float16_resumes_bit_identically_after_kill9(fp16, data, tmp_path):
     ref, _ = fp16
     log_dir = tmp_path / "log"
     p = forked.Popen([sys.executable, "-c", INJECT.format(bad={10}), *args(data, log_dir, *FP16, "--max_bad_steps=1")],
-                     cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                     cwd=ROOT, env=one_thread(PYTHONUNBUFFERED="1"),
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for_step(log_dir, 22, p)
     os.killpg(p.pid, signal.SIGKILL)
@@ -153,7 +153,7 @@ def test_two_processes_skip_the_same_overflow(fp16, data, tmp_path):
     script.write_text(INJECT.format(bad={10}))
     r = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
                         *args(data, tmp_path / "log", *FP16, "--max_bad_steps=1")], cwd=ROOT, capture_output=True,
-                   text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+                   text=True, timeout=300, env=one_thread(PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
     one_log, two_log = read_log(fp16[0]), read_log(tmp_path / "log")
     assert two_log["overflow"] == {10: 32768.0} and "skip" not in two_log
@@ -192,7 +192,7 @@ def test_an_overflow_one_rank_sees_is_skipped_by_all(data, tmp_path):
         r = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                             str(script), *args(data, tmp_path / parallel, *FP16, "--max_steps=16", f"--parallel={parallel}")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+                       env=one_thread(PYTHONPATH=ROOT))
         assert r.returncode == 0, r.stdout + r.stderr
         # each rank's line is one write, but rank 0's buffered output may be flushed mid-line around it: find, not split
         scales = {(int(k), int(s)): float(v) for k, s, v in re.findall(r"rank (\d+) step (\d+) scale (\S+)\n", r.stdout)}

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY, random_shards, read_log, run_script
+from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
 from model import GPT, GPTConfig
 from schedule import get_lr
 from test_resume import start, state, wait_for_step
@@ -230,7 +230,7 @@ def test_defaults_train_step_for_step_as_before_issue_22(data, tmp_path):
         pytest.skip(f"no git history here: {r.stderr.decode()[:200]}")
     old = tmp_path / "old"
     tarfile.open(fileobj=io.BytesIO(r.stdout)).extractall(old, filter="data")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = one_thread()
     logs = {}
     for name, code in (("old", old), ("new", ROOT)):
         r = subprocess.run([sys.executable, "train_gpt2.py", *args(data, tmp_path / name, "--max_steps=20")], cwd=code, env=env,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import forked
-from conftest import ROOT, TINY, children, kill_job, random_shards, read_log, run_script, write_shards
+from conftest import ROOT, TINY, children, kill_job, one_thread, random_shards, read_log, run_script, write_shards
 from checkpoint import RESUME_KEYS
 
 MAX_STEPS = 120
@@ -56,7 +56,7 @@ def two(data, tmp_path_factory):
 
 def start(cmd_args, nproc=None, torchrun_args=(), **kw):
     """The command of run_script, in the background, in its own process group."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = one_thread(PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "train_gpt2.py"] if nproc is None else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
         "train_gpt2.py"]
@@ -346,7 +346,7 @@ train_gpt2.main(sys.argv[1:])
 
 
 def inject_nan(bad_steps, cmd_args):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = one_thread()
     return forked.run([sys.executable, "-c", INJECT.format(bad=set(bad_steps)), *cmd_args], cwd=ROOT, env=env,
                       capture_output=True, text=True, timeout=300)
 
@@ -403,7 +403,7 @@ def test_failed_checkpoint_write_keeps_the_earlier_ones(one, data, tmp_path):
     def limit():  # files stop growing at half a checkpoint; SIGXFSZ ignored: the write fails with EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = one_thread()
     r = subprocess.run([sys.executable, "train_gpt2.py", *args(data, log_dir)], cwd=ROOT, env=env, preexec_fn=limit,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1

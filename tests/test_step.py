@@ -10,7 +10,7 @@ import time
 import pytest
 
 import forked
-from conftest import ROOT, TINY, random_shards, read_log
+from conftest import ROOT, TINY, one_thread, random_shards, read_log
 
 COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=128", "--val_tokens=256",
           "--sample_interval=0", "--hellaswag=False", "--keep_checkpoints=0"]
@@ -28,8 +28,7 @@ def launch(script, tmp_path, args, nproc, env=(), timeout=300):
     launcher = [sys.executable] if nproc is None else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                       f"--nproc_per_node={nproc}"]
     return forked.run([*launcher, str(tmp_path / "script.py"), *args], cwd=ROOT, capture_output=True, text=True,
-                      timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                                                    PYTHONPATH=ROOT, **dict(env)))
+                      timeout=timeout, env=one_thread(PYTHONUNBUFFERED="1", PYTHONPATH=ROOT, **dict(env)))
 
 
 def argv(data, log_dir, *extra):

@@ -121,7 +121,7 @@ def test_wandb_offline_logs_what_log_txt_has(tmp_path):
     pytest.importorskip("wandb")
     data = random_shards(tmp_path / "data", 0, 2000, [2000])
     log_dir = tmp_path / "log"
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1")
+    env = one_thread(WANDB_MODE="offline", WANDB_SILENT="true")
     r = subprocess.run([sys.executable, "train_gpt2.py", *ARGS, f"--data_root={data}", f"--log_dir={log_dir}",
                         "--max_steps=4", "--wandb_log=True", "--wandb_project=test", "--wandb_run_name=tiny"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
