@@ -7,6 +7,7 @@ Speed and memory of the training step, the instrument behind every speed claim o
     python bench.py --bench_hellaswag_process=True   # python hellaswag.py vs build-nanogpt's loop, whole process
     python bench.py --bench_profile=True   # on CUDA: then one step under torch.profiler, by kernel kind
     python bench.py --bench_recipe=True    # the quick start trained per recipe: AdamW/Muon x cosine/WSD
+    python bench.py --bench_start=True --bench_steps=3   # --help and a typo against `import torch`
 
 Takes the trainer's configuration (same constants, files and overrides; dtype and compile
 "auto" resolved as the trainer resolves them), runs bench_warmup + bench_steps optimizer steps of
@@ -413,6 +414,25 @@ print(f"acc: {correct / n:.4f} acc_norm: {correct_norm / n:.4f}")
 """
 
 
+def bench_start(c):
+    """The first answer: `python train_gpt2.py --help` and a mistyped key, each against
+    `python -c "import torch"` on this machine (best of bench_steps whole processes each): what
+    comes on top of torch's own import."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    best = {}
+    for name, cmd in (("import torch", ["-c", "import torch"]), ("--help", ["train_gpt2.py", "--help"]),
+                      ("a typo", ["train_gpt2.py", "--max_step=3"])):
+        times = []
+        for _ in range(c['bench_steps']):
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, *cmd], cwd=root, capture_output=True)
+            times.append(time.perf_counter() - t0)
+        best[name] = min(times)
+    print(f"first answer, best of {c['bench_steps']} processes, cpu: {torch.backends.cpu.get_cpu_capability()}")
+    for name, t in best.items():
+        print(f"{name}: {t:.2f} s" + (f" ({t - best['import torch']:+.2f} s on import torch)" if name != "import torch" else ""))
+
+
 def bench_hellaswag_process(c):
     """Whole-process wall clock (imports, tokenizer, model load, scoring) of `python hellaswag.py`
     in float32 against HELLASWAG_REFERENCE (build-nanogpt's per-example loop), each a fresh process
@@ -448,7 +468,8 @@ def main():
     defaults = dict(train_gpt2.DEFAULTS)
     defaults.update(bench_steps=5, bench_warmup=2, bench_loader_tokens=0, bench_baseline=True, bench_hellaswag=False,
                     bench_role="", bench_hellaswag_process=False, bench_hellaswag_examples=500,
-                    bench_profile=False, bench_recipe=False, bench_recipes=",".join(RECIPES), bench_recipe_dir="")
+                    bench_profile=False, bench_recipe=False, bench_recipes=",".join(RECIPES), bench_recipe_dir="",
+                    bench_start=False)
     try:
         c = parse_config(sys.argv[1:], defaults, __doc__)
     except UserError as e:
@@ -461,7 +482,12 @@ def main():
         return bench_hellaswag_process(c)
     if c['bench_recipe']:
         return bench_recipe(c, sys.argv[1:])
-    _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])  # TF32 on CUDA, as the trainer
+    if c['bench_start']:
+        return bench_start(c)
+    try:
+        _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])  # TF32 on CUDA, as the trainer
+    except UserError as e:  # a device that is not here
+        sys.exit(f"error: {e}")
     config = GPTConfig.from_dict(c)
     if c['bench_hellaswag']:
         return bench_hellaswag(c, config, device)

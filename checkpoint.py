@@ -107,6 +107,18 @@ def list_checkpoints(log_dir):
     return sorted(found, reverse=True)
 
 
+def model_in(name):
+    """name, or where name is a run's log_dir (a folder of model_NNNNN.pt, no HF config.json), the
+    path of its newest checkpoint, said on stderr: for the tools that take --model."""
+    if not os.path.isdir(name) or os.path.isfile(os.path.join(name, 'config.json')):
+        return name
+    found = list_checkpoints(name)
+    if not found:
+        raise UserError(f"{name}: neither a HF model folder (no config.json) nor a run's log_dir (no model_NNNNN.pt)")
+    print(f"{name}: its newest checkpoint, {found[0][1]}", file=sys.stderr)
+    return found[0][1]
+
+
 def read_checkpoint(path):
     """The checkpoint at path, checked for what resuming needs; ValueError says what is wrong with
     it, OSError that it could not be read.
@@ -384,6 +396,7 @@ def stop_after_bad_steps(state, config, keep_checkpoints):
 
 
 _lock_file = None  # rank 0's open run.lock: the lock lasts as long as the process
+_made = ()  # what taking the lock created: log_dir and/or its run.lock (release_log_dir removes them)
 
 
 def claim_log_dir(log_dir):
@@ -401,7 +414,7 @@ def lock_log_dir(log_dir):
     when its process ends, however it ends (kill -9 too), so a dead run never blocks the next start;
     a forked child does not inherit it. On NFS the server's lock manager holds it for every node;
     Lustre needs mounting with -o flock (docs/resume.md)."""
-    global _lock_file
+    global _lock_file, _made
     if os.name != 'posix':
         return ''
     import fcntl
@@ -409,8 +422,9 @@ def lock_log_dir(log_dir):
     import time
     if _lock_file is not None:  # an earlier run in this process (tests); closing drops its lock
         _lock_file.close()
-    os.makedirs(log_dir, exist_ok=True)
     path = os.path.join(log_dir, 'run.lock')
+    _made = tuple(p for p in (log_dir, path) if not os.path.exists(p))
+    os.makedirs(log_dir, exist_ok=True)
     f = open(path, 'a+')  # never truncated unless taken: the holder's line stays for the next one to read
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -429,6 +443,23 @@ def lock_log_dir(log_dir):
     f.flush()
     _lock_file = f
     return ''
+
+
+def release_log_dir(log_dir, failed):
+    """Rank 0, as the run ends: a start that failed (a bad shard, a missing folder, out of memory
+    before the first step) removes the run.lock and the log_dir it made when nothing else was
+    written there, so that a corrected command starts clean and `ls` shows no empty run."""
+    global _lock_file
+    if not failed or _lock_file is None or os.path.join(log_dir, 'run.lock') not in _made:
+        return
+    try:
+        if os.listdir(log_dir) == ['run.lock']:
+            for path in reversed(_made):  # the lock file, then the folder it made
+                os.rmdir(path) if path == log_dir else os.remove(path)
+    except OSError:  # another launch opened the lock file meanwhile, or the folder went: leave it
+        pass
+    _lock_file.close()
+    _lock_file = None
 
 
 def prepare_log_dir(log_dir, start, evaluated):

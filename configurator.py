@@ -38,7 +38,7 @@ def parse_config(argv, defaults, doc=""):
     """defaults, updated by config files and --key=value arguments, in the order given. -h or
     --help prints doc and the constants with their defaults, and exits."""
     if '-h' in argv or '--help' in argv:
-        print(doc + "\nconstants and their defaults:\n" + "\n".join(f"  --{k}={v!r}" for k, v in defaults.items()))
+        print(doc + "\n" + constants_help(defaults))
         sys.exit(0)
     config = dict(defaults)
 
@@ -85,6 +85,27 @@ def parse_config(argv, defaults, doc=""):
                     set_key(key, value, arg)
     check_config(config)
     return config
+
+
+TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train_gpt2.py')  # where the constants live
+
+
+def constants_help(defaults):
+    """Each constant, --key=default, with the comment beside it atop train_gpt2.py, under the comment
+    lines that head its group there: what -h shows. Read from the source, so it cannot drift; keys
+    of another script's own (bench.py's) come last, bare."""
+    lines, shown = ["the constants (edit them atop train_gpt2.py, or --key=value / a config file; default shown):"], set()
+    with open(TRAINER, encoding='utf-8') as f:
+        block = f.read().split('\n# config:', 1)[1].split('\nDEFAULTS = ', 1)[0].splitlines()[1:]
+    for line in block:
+        key, comment = line.split(' = ', 1)[0], line.partition('  # ')[2]
+        if line.startswith('# '):
+            lines.append(f"{line[2:]}:")  # a group's heading
+        elif key in defaults:
+            lines.append((f"  --{key}={defaults[key]!r}".ljust(34) + f" {comment}").rstrip())
+            shown.add(key)
+    own = [f"  --{k}={v!r}" for k, v in defaults.items() if k not in shown]
+    return "\n".join(lines + (["this script's own (its docstring says what they do):"] + own if own else []))
 
 
 def accumulation_steps(total_batch_size, B, T, world):

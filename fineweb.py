@@ -9,8 +9,10 @@ offline demo corpus.
 Each document becomes <|endoftext|> followed by its tokens (encode_ordinary); the stream is cut
 into shards of shard_size tokens (documents run across shard boundaries), saved with np.save as
 uint16 arrays named {prefix}_{split}_{index:06d}.npy: shard 0 is the val split, the rest train,
-the last one holds the remainder. For the same documents and shard size the files are
-byte-identical to build-nanogpt's fineweb.py, so shards can be mixed and reused.
+the last one holds the remainder. The prefix says what they hold: FineWeb-Edu's keep build-nanogpt's
+"edufineweb", and for the same documents and shard size its files are byte-identical to
+build-nanogpt's fineweb.py, so shards can be mixed and reused; "demo", "local", or another HF
+dataset's name (shard_prefix).
 
 Shards are written under a temporary name and renamed, and fineweb_manifest.json records where
 each finished shard ends in the document stream: a run that is interrupted and started again
@@ -34,9 +36,9 @@ import numpy as np
 
 from atomic import atomic_write
 from errors import UserError
+from shards import MANIFEST
 from tokenizer import EOT, get_gpt2_encoding
 
-MANIFEST = "fineweb_manifest.json"
 EXTENSIONS = ('.parquet', '.jsonl', '.txt')
 
 
@@ -201,9 +203,17 @@ def save_manifest(out_dir, manifest):
     atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 
-def shard_name(index):
-    # build-nanogpt's names, whatever the source: the trainer globs *_{split}_*.npy
-    return f"edufineweb_{'val' if index == 0 else 'train'}_{index:06d}.npy"
+def shard_prefix(args):
+    """The start of the shards' names: build-nanogpt's for FineWeb-Edu, else one that says what they
+    hold (the trainer globs *_{split}_*.npy, so no '_' in it; the manifest names the dataset fully)."""
+    if args.demo or is_local(args.dataset):
+        return 'demo' if args.demo else 'local'
+    name = args.dataset.split('/')[-1].lower()
+    return 'edufineweb' if name == 'fineweb-edu' else ''.join(c for c in name if c.isalnum()) or 'data'
+
+
+def shard_name(prefix, index):
+    return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.npy"
 
 
 def open_output(out_dir, fingerprint):
@@ -235,7 +245,8 @@ def open_output(out_dir, fingerprint):
 
 
 def build(docs, out_dir, manifest, shard_size, max_tokens, num_proc):
-    """Write the remaining shards of the token stream of docs (resumed where the manifest ends)."""
+    """Write the remaining shards of the token stream of docs (resumed where the manifest ends),
+    named with manifest['prefix']."""
     shards = manifest['shards']
     start_doc, start_offset = (shards[-1]['next_doc'], shards[-1]['next_offset']) if shards else (0, 0)
     total = sum(s['tokens'] for s in shards)
@@ -243,7 +254,7 @@ def build(docs, out_dir, manifest, shard_size, max_tokens, num_proc):
     filled = 0  # tokens in buf
 
     def write_shard(next_doc, next_offset):
-        name = shard_name(len(shards))
+        name = shard_name(manifest['prefix'], len(shards))
         atomic_write(os.path.join(out_dir, name), lambda f: np.save(f, buf[:filled]))
         shards.append({'file': name, 'tokens': filled, 'bytes': os.path.getsize(os.path.join(out_dir, name)),
                        'next_doc': next_doc, 'next_offset': next_offset})
@@ -339,7 +350,7 @@ def run(args):
     if first is None and not done:
         raise UserError(f"{'the demo corpus' if args.demo else args.dataset}: no documents")
     os.makedirs(out_dir, exist_ok=True)
-    for tmp in glob.glob(os.path.join(out_dir, 'edufineweb_*.npy.tmp*')) + glob.glob(os.path.join(out_dir, MANIFEST + '.tmp*')):
+    for tmp in glob.glob(os.path.join(out_dir, '*.npy.tmp*')) + glob.glob(os.path.join(out_dir, MANIFEST + '.tmp*')):
         # left by a killed run
         os.remove(tmp)
     if done:
@@ -349,8 +360,9 @@ def run(args):
 
     t0 = time.time()
     docs = itertools.chain([first], docs) if first is not None else iter(())  # none left: killed before 'complete'
-    total, n_docs = build(docs, out_dir, manifest, shard_size, args.max_tokens,
-                          args.num_proc)
+    # resumed: the names it began with (an older fineweb.py's folder holds edufineweb_ shards of any data)
+    manifest['prefix'] = done[0]['file'].rsplit('_val_', 1)[0] if done else shard_prefix(args)
+    total, n_docs = build(docs, out_dir, manifest, shard_size, args.max_tokens, args.num_proc)
     manifest['complete'] = True
     save_manifest(out_dir, manifest)
     print(f"done: {total:,} tokens in {len(manifest['shards'])} shards ({len(manifest['shards']) - len(done)} new) "

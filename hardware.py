@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from errors import UserError
+
 # torch.compile's kernel cache does not tell a process whose ATen kernels are forced to one CPU
 # capability (ATEN_CPU_CAPABILITY=avx2, how the tests play an AVX2-only CPU) from a native one:
 # kernels cached by one gave NaNs from step 0, or a corrupted heap, in the other. Such a process
@@ -25,10 +27,20 @@ AUTOCAST_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 
 def pick_device(device):
-    """device, with "auto" made concrete: cuda > mps > cpu."""
-    if device != 'auto':
-        return device
-    return 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    """device, with "auto" made concrete: cuda > mps > cpu; one that is not here is a UserError
+    naming the devices there are (not CUDA's traceback from deep inside the first tensor moved)."""
+    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
+    if device == 'auto':
+        return 'cuda' if cuda else 'mps' if mps else 'cpu'
+    kind, index = torch.device(device).type, torch.device(device).index
+    n_gpus = torch.cuda.device_count() if cuda else 0
+    if (kind == 'cuda' and (index or 0) >= n_gpus) or (kind == 'mps' and not mps):
+        here = ['cpu'] + [f'cuda:{i}' for i in range(n_gpus)] + ['mps'] * mps
+        why = (f"this torch {torch.__version__} is built without CUDA" if kind == 'cuda' and torch.version.cuda is None
+               else f"torch sees {n_gpus or 'no'} CUDA GPU{'s' * (n_gpus != 1)}" if kind == 'cuda' else "torch sees no Apple GPU")
+        raise UserError(f"device={device!r} is not on this machine ({why}); devices here: {', '.join(here)} "
+                        f"(device='auto' picks the best of them)")
+    return device
 
 
 def autocast(device, dtype):
@@ -136,11 +148,14 @@ def matmul_flops(device, dtype, n=None, reps=10):
 
 
 def peak_flops(device, dtype):
-    """(FLOP/s, where from) for MFU: a known NVIDIA GPU's datasheet peak in bf16/fp16, else a
-    small matmul measured now (CPUs, float32, other GPUs)."""
+    """(FLOP/s, where from) for MFU: a known NVIDIA GPU's datasheet peak in bf16/fp16, else a matmul
+    measured now (float32, other GPUs, Apple's); on a CPU (None, why): no peak there holds still."""
+    if device == 'cpu':  # a matmul timed at start varied 5x between runs on one 2-core machine: MFUs of 20-292%
+        return None, ("not shown on a CPU: its matmul rate moves with the load, the threads and the "
+                      "shapes, so no peak holds; tok/sec is the figure to compare")
     if device.startswith('cuda') and dtype in AUTOCAST_DTYPES:
         name = torch.cuda.get_device_name(device)
         for key, flops in GPU_PEAK_FLOPS:  # the longer names first: 'L40' before 'L4'
             if re.search(rf"\b{key}\b", name):
                 return flops, f"{name} datasheet"
-    return matmul_flops(device, dtype, n=512 if device == 'cpu' else 4096, reps=5), "measured matmul"
+    return matmul_flops(device, dtype, n=4096, reps=5), "measured matmul"

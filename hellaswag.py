@@ -289,7 +289,8 @@ def write_synthetic(path, n, seed=0):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--model', default='gpt2', help="gpt2 (or -medium, -large, -xl), a HF model folder, or a .pt checkpoint")
+    p.add_argument('--model', default='gpt2', help="gpt2 (or -medium, -large, -xl), a HF model folder, a .pt checkpoint, "
+                                                   "or a run's log_dir (its newest checkpoint)")
     p.add_argument('--file', default=None, help="a local HellaSwag jsonl file (default: the split, downloaded once)")
     p.add_argument('--split', default='val', choices=['train', 'val'])
     p.add_argument('--device', default='auto')
@@ -297,18 +298,19 @@ def main(argv=None):
     p.add_argument('--limit', type=int, default=0, help="score only the first N examples")
     p.add_argument('--batch_examples', type=int, default=32, help="examples per forward pass (default: %(default)s)")
     args = p.parse_args(argv)
-    device = pick_device(args.device)
-    if device == 'cpu':
-        reuse_freed_memory()  # no page faults per forward (docs/benchmarks.md)
+    from checkpoint import model_in  # the script's own need: the trainer imports this file too
     try:
+        device = pick_device(args.device)
         examples = list(iterate_examples(args.split, args.file))
     except UserError as e:
         sys.exit(f"error: {e}")
+    if device == 'cpu':
+        reuse_freed_memory()  # no page faults per forward (docs/benchmarks.md)
     if args.limit:
         examples = examples[:args.limit]
     try:
-        model = load_model(args.model, device)
-    except (ValueError, OSError) as e:
+        model = load_model(model_in(args.model), device)
+    except (UserError, ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     from tqdm import tqdm
     rendered = [render_example(e) for e in tqdm(examples, desc="render", leave=False)]

@@ -6,11 +6,15 @@ HellaSwag acc_norm; a panel appears when some log has its lines.
 
 Reads this trainer's log_dir/log.txt and build-nanogpt's (the same "{step} {kind} {value}" lines:
 train, val, bpb, hella; skip and overflow lines are ignored). Several folders are overlaid, each
-labelled by its folder name. Reference lines: OpenAI's GPT-2 124M (FineWeb-Edu val loss 3.2924,
-HellaSwag acc_norm 0.2955 with this project's scorer, docs/hellaswag.md) and GPT-3 124M (HellaSwag
-0.337, from the GPT-3 paper). Headless: writes the PNG, needs no display.
+labelled by its folder name. The smoothed train curve is a centered moving average: it follows the
+loss without lagging behind it. Reference lines: OpenAI's GPT-2 124M val loss on FineWeb-Edu
+(3.2924), drawn only when some run's val loss is FineWeb-Edu's too (its run.json's dataset, or a
+build-nanogpt log dir, which has no run.json): on other data the number means nothing; and HellaSwag
+acc_norm, the same eval whatever the training data: GPT-2 124M 0.2955 with this project's scorer
+(docs/hellaswag.md), GPT-3 124M 0.337 (the GPT-3 paper). Headless: writes the PNG, needs no display.
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -20,7 +24,7 @@ from errors import UserError
 
 KINDS = ('train', 'val', 'bpb', 'hella', 'epoch')  # epoch: '{step} epoch {n}' where epoch n begins
 IGNORED = ('skip', 'overflow')  # the trainer's rare event lines: not curves
-REFERENCE = {'val': [(3.2924, 'GPT-2 124M (OpenAI) val loss')],
+REFERENCE = {'val': [(3.2924, 'GPT-2 124M (OpenAI), FineWeb-Edu val loss')],  # on FineWeb-Edu's val shard only
              # 0.2955: build-nanogpt's hellaswag.py on the 10,042 val examples (its notebook draws 0.2945)
              'hella': [(0.2955, 'GPT-2 124M (OpenAI)'), (0.337, 'GPT-3 124M (paper)')]}
 
@@ -52,20 +56,46 @@ def read_log(log_dir):
     return curves
 
 
-def smooth(values, alpha=0.9):
-    """Exponential moving average, bias-corrected (the first values are not pulled towards 0);
-    non-finite values (a skipped step's nan) are passed over, not averaged in."""
-    out, avg, n = [], 0.0, 0
-    for v in values:
-        if math.isfinite(v):
-            avg, n = alpha * avg + (1 - alpha) * v, n + 1
-        out.append(avg / (1 - alpha ** n) if n else math.nan)
+def is_fineweb_edu(log_dir):
+    """Whether log_dir's val loss is measured on FineWeb-Edu, as GPT-2's reference val loss is: the
+    dataset of run.json's last entry (its latest start); where that is missing or None (an older
+    run.json, or shards without fineweb.py's manifest), whether data_root's name says fineweb. No
+    run.json: a build-nanogpt log dir, which trains on FineWeb-Edu only. An unreadable run.json: no."""
+    path = os.path.join(log_dir, 'run.json')
+    if not os.path.isfile(path):
+        return True
+    try:
+        with open(path) as f:
+            last = json.load(f)[-1]
+        if last.get('dataset') is not None:
+            return last['dataset'].startswith('HuggingFaceFW/fineweb-edu')
+        return 'fineweb' in os.path.basename(os.path.normpath(last['config']['data_root'])).lower()
+    except (OSError, ValueError, LookupError, TypeError, AttributeError) as e:  # edited by hand, or not a run's
+        print(f"warning: {path}: not a run.json list of entries ({type(e).__name__}: {e}); its val loss is "
+              f"not taken for FineWeb-Edu's", file=sys.stderr)
+        return False
+
+
+def smooth(values, half=10):
+    """Centered moving average: each value with up to `half` neighbours on each side, the window
+    shrinking at the ends to stay centered, so the curve does not lag (an exponential average lags
+    by about its length: above a falling loss by its slope times that). Neighbours come in pairs at
+    the same distance, both finite, so a straight line stays one beside a skipped step's nan; a nan
+    stays nan, a gap in the smoothed curve as in the raw one."""
+    out = []
+    for i, v in enumerate(values):
+        window = [v]
+        for d in range(1, min(half, i, len(values) - 1 - i) + 1):
+            if math.isfinite(values[i - d]) and math.isfinite(values[i + d]):
+                window += [values[i - d], values[i + d]]
+        out.append(sum(window) / len(window) if math.isfinite(v) else math.nan)
     return out
 
 
-def plot(runs, out):
+def plot(runs, out, fineweb_edu=False):
     """runs: [(label, curves)]; writes out (PNG): the loss panel, then val bits per byte and
-    HellaSwag side by side when some run logged them."""
+    HellaSwag side by side when some run logged them. fineweb_edu: some run's val loss is on
+    FineWeb-Edu (is_fineweb_edu()), so GPT-2's val loss is drawn to compare with."""
     import matplotlib
     matplotlib.use('Agg')  # no display needed
     import matplotlib.pyplot as plt
@@ -85,7 +115,7 @@ def plot(runs, out):
                 ax[kind].plot(*c[kind], color=color, marker='.', label=label)
         for j, step in enumerate(c['epoch'][0]):  # where the train data starts again, in a new order
             ax['loss'].axvline(step, color=color, linestyle='-.', linewidth=0.8, label=f"{label} new epoch" if j == 0 else None)
-    for kind, refs in (('loss', REFERENCE['val']), ('hella', REFERENCE['hella'])):
+    for kind, refs in (('loss', REFERENCE['val'] if fineweb_edu else []), ('hella', REFERENCE['hella'])):
         for (y, text), color in zip(refs if kind in ax else [], ('red', 'green')):
             ax[kind].axhline(y, color=color, linestyle=':', linewidth=1, label=f"{text}: {y}")
     titles = {'loss': ('loss', 'loss'), 'bpb': ('bits per byte', 'val bits per byte'),
@@ -120,10 +150,12 @@ def main(argv=None):
     if len(set(names)) == len(names):  # the folder names, unless two runs share one (a/log, b/log)
         runs = [(name, curves) for name, (_, curves) in zip(names, runs)]
     try:
-        plot(runs, args.out)
+        # a list, not a generator: each unreadable run.json gets its warning
+        panels = plot(runs, args.out, fineweb_edu=any([is_fineweb_edu(log_dir) for log_dir in args.log_dirs]))
     except OSError as e:
         sys.exit(f"error: cannot write --out {args.out}: {e}")
     print(f"wrote {args.out}: {', '.join(label for label, _ in runs)}")
+    return panels  # for the tests: what was drawn
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 import parallel
 from atomic import atomic_write
 from errors import UserError
+from shards import dataset_of
 
 CODE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,7 +60,8 @@ def write(log_dir, config, start, resumed_from, device):
         'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,
         'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if device.startswith('cuda') else None,
         'world_size': len(ranks), 'hosts': sorted({r['host'] for r in ranks}), 'devices': [r['device'] for r in ranks],
-        'wandb_run_id': _wandb_run.id if _wandb_run is not None else None, 'config': config,
+        'wandb_run_id': _wandb_run.id if _wandb_run is not None else None,
+        'dataset': dataset_of(config['data_root']), 'config': config,
     }
     path = os.path.join(log_dir, 'run.json')
     entries = []

@@ -59,7 +59,8 @@ def training_samples(model, step, prompt, length, dtype):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--model', default='gpt2', help="a .pt checkpoint, a HF GPT-2 folder, or gpt2/-medium/-large/-xl")
+    p.add_argument('--model', default='gpt2', help="a .pt checkpoint, a run's log_dir (its newest checkpoint), a HF "
+                                                   "GPT-2 folder, or gpt2/-medium/-large/-xl")
     p.add_argument('--prompt', default="Hello, I'm a language model,", help="the text to continue, or FILE:path")
     p.add_argument('--num_samples', type=int, default=4)
     p.add_argument('--max_new_tokens', type=int, default=100)
@@ -79,10 +80,11 @@ def main(argv=None):
                 prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
             sys.exit(f"error: --prompt {args.prompt}: cannot read it ({e})")
-    device = pick_device(args.device)
+    from checkpoint import model_in  # the script's own need: the trainer imports this file too
     try:
+        device = pick_device(args.device)
         dtype, _ = resolve_dtype(args.dtype, device)
-        model = load_model(args.model, device)
+        model = load_model(model_in(args.model), device)
         enc = get_gpt2_encoding()
         idx = torch.tensor([encode_prompt(enc, prompt, model)], dtype=torch.long, device=device)
         generator = torch.Generator(device=device).manual_seed(args.seed)

@@ -13,12 +13,14 @@ import numpy as np
 from errors import UserError
 from tokenizer import EOT
 
+MANIFEST = 'fineweb_manifest.json'  # written by fineweb.py: its arguments, its shards, whether it finished
+
 
 def find_shards(data_root, split):
     if not os.path.isdir(data_root):
         raise UserError(f"data folder {data_root!r} not found: run `python fineweb.py` to make the token "
                         f"shards, or point data_root at them")
-    manifest = os.path.join(data_root, 'fineweb_manifest.json')  # written by fineweb.py
+    manifest = os.path.join(data_root, MANIFEST)
     if os.path.isfile(manifest):
         try:
             with open(manifest) as f:
@@ -29,9 +31,45 @@ def find_shards(data_root, split):
             raise UserError(f"{data_root!r} is unfinished: fineweb.py was interrupted or failed there; "
                             f"run the same fineweb.py command again to finish it")
     shards = sorted(glob.glob(os.path.join(data_root, f'*_{split}_*.npy')))
+    if not shards and split == 'train' and glob.glob(os.path.join(data_root, '*_val_*.npy')):
+        raise UserError(f"{data_root!r} holds a val shard and no train shard: its corpus was smaller than one "
+                        f"--shard_size (shard 0 is the val split); delete it and run the same fineweb.py command "
+                        f"with a smaller --shard_size, about a tenth of the corpus's tokens (docs/data.md)")
     if not shards:
         raise UserError(f"no {split} shard (*_{split}_*.npy) in {data_root!r}: run `python fineweb.py`")
     return shards
+
+
+def usable_shards(data_root, split, step_tokens, shuffle, say):
+    """(paths, lengths) of the split's shards that hold one step of step_tokens + 1 tokens (shuffled:
+    less the cut first document, never read). A shorter one, like the remainder fineweb.py writes
+    last, is left out (say: print which); none long enough is an error now, not hours into a run."""
+    paths = find_shards(data_root, split)
+    lengths = [len(t) - (cut_tail(t) if shuffle else 0) for t in map(open_shard, paths)]
+    less = ' less its cut first document' * shuffle
+    if max(lengths) < step_tokens + 1:
+        longest = int(np.argmax(lengths))
+        raise UserError(f"no {split} shard in {data_root!r} holds one step of total_batch_size + 1 = {step_tokens + 1} "
+                        f"tokens (the longest, {paths[longest]}: {lengths[longest]} tokens{less}): lower "
+                        f"total_batch_size, or make longer shards (fineweb.py --shard_size)")
+    for path, n in zip(paths, lengths):
+        if n < step_tokens + 1 and say:
+            print(f"{path}: {n} tokens{less}, fewer than one step of {step_tokens + 1}: left out")
+    return [p for p, n in zip(paths, lengths) if n > step_tokens], [n for n in lengths if n > step_tokens]
+
+
+def dataset_of(data_root):
+    """What data_root's shards were made from, as fineweb.py's manifest says: the HF dataset and its
+    config ("HuggingFaceFW/fineweb-edu sample-10BT"), the demo, local files; None without a
+    manifest (build-nanogpt's shards, or others). run.json records it; plot.py reads it."""
+    try:
+        with open(os.path.join(data_root, MANIFEST)) as f:
+            args = json.load(f)['args']
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if 'demo' in args:
+        return 'demo: the Python standard library'
+    return f"{args['dataset']} {args['name']}" if 'dataset' in args else 'local files'
 
 
 def open_shard(path, vocab_size=None):

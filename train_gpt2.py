@@ -29,14 +29,13 @@ import run_record
 from configurator import accumulation_steps, parse_config
 from errors import UserError
 from hardware import autocast, choose_precision, peak_flops, pick_device, pinned, reuse_freed_memory
-from hellaswag import evaluate as evaluate_hellaswag, load_for_training
 from model import GPT, GPTConfig, flops_per_token
 from parallel import (agree, clip_grad_norm, end_process_group, rank as process_rank, require_backward_grad_sync,
                       gave_up, restart_store, shard_fsdp, start_patient_group, state_mib, wait_for_all, whole_models,
                       world_size, wrap_ddp, zero_grad)
 from sample import training_samples
 from schedule import get_lr
-from shards import ShuffledDocuments, cut_tail, find_shards, load_val_tokens, open_shard
+from shards import ShuffledDocuments, find_shards, load_val_tokens, open_shard, usable_shards
 from tokenizer import token_byte_lengths, utf8_bytes
 
 # -----------------------------------------------------------------------------
@@ -47,9 +46,9 @@ shuffle = True  # train shards and their documents in a fresh order each epoch, 
 log_dir = "log"  # log.txt, samples.txt and checkpoints go here
 init_from = "scratch"  # "scratch", an OpenAI name (gpt2, gpt2-medium, ...) or a HF model directory
 # model (ignored when init_from is not "scratch": the weights bring their own shape)
-n_layer = 12
-n_head = 12
-n_embd = 768
+n_layer = 12  # transformer blocks
+n_head = 12  # attention heads per block
+n_embd = 768  # width: the size of each token's vector
 block_size = 1024  # longest sequence the model can see
 vocab_size = 50304  # GPT-2's vocabulary padded up to a multiple of 128, for faster matmuls
 # batch: total_batch_size tokens per optimizer step = B * T * world_size * grad_accum_steps
@@ -57,11 +56,11 @@ total_batch_size = 524288  # 2**19, ~0.5M tokens, as GPT-3 124M
 B = "auto"  # micro-batch: sequences per forward/backward per process; "auto": the most that fit (memory.py)
 T = 1024  # sequence length
 # optimizer: AdamW, linear warmup then cosine decay to min_lr at max_steps (other recipes: docs/recipes.md)
-max_lr = 6e-4
-min_lr = 6e-5
+max_lr = 6e-4  # the peak, reached at the end of warmup
+min_lr = 6e-5  # where the decay ends, at max_steps: max_lr / 10
 warmup_steps = 715  # 375M tokens, as GPT-3
 max_steps = 19073  # 10B tokens / 2**19 per step: a little over one epoch of sample-10BT (see the start)
-weight_decay = 0.1
+weight_decay = 0.1  # AdamW's, on the 2-D weights only (model.py: configure_optimizers)
 grad_clip = 1.0  # clip the global gradient norm to this; 0 disables
 lr_schedule = "cosine"  # "cosine", or "wsd": warmup, constant max_lr, then decay_shape to min_lr (schedule.py)
 decay_frac = 0.2  # wsd: the last 20% of max_steps decay
@@ -70,10 +69,10 @@ optimizer = "adamw"  # "adamw", or "muon": Muon for the blocks' weight matrices,
 muon_lr = 1.8e-3  # muon: its peak lr, 3x max_lr (the quick start's best: docs/recipes.md), scheduled as max_lr is
 muon_momentum = 0.95  # muon: Nesterov momentum
 # evaluation, samples, checkpoints (every N steps and at the last step; 0 turns it off)
-eval_interval = 250
+eval_interval = 250  # val loss, bits per byte and HellaSwag
 val_tokens = 10485760  # first 10M tokens of the val split, whatever the number of processes
-sample_interval = 250
-sample_prompt = "Hello, I'm a language model,"
+sample_interval = 250  # 4 continuations of sample_prompt into samples.txt
+sample_prompt = "Hello, I'm a language model,"  # what the samples continue
 sample_length = 32  # new tokens in each of the 4 samples
 checkpoint_interval = 1000  # 0: only at the last step (and on SIGTERM / too many bad steps)
 keep_checkpoints = 3  # the newest N checkpoints are kept, older ones deleted; 0 keeps all
@@ -88,11 +87,11 @@ compile = "auto"  # torch.compile the model: auto = on CUDA (slow to start, fast
 cpu_reuse_memory = True  # CPU on Linux: keep freed memory for reuse: faster steps, more peak RSS (docs/benchmarks.md)
 parallel = "ddp"  # with torchrun: "ddp" (a whole copy of the state per GPU) or "fsdp" (sharded: parallel.py)
 collective_timeout = 600  # seconds a rank waits for the others (a stuck rank), not for rank 0's work alone (docs/ddp.md)
-seed = 1337
+seed = 1337  # the init, the data's order, the samples
 # Weights & Biases (rank 0; the numbers of log.txt): pip install -r requirements-wandb.txt
-wandb_log = False
-wandb_project = "gpt2"
-wandb_run_name = "gpt2-124M"
+wandb_log = False  # also log to W&B
+wandb_project = "gpt2"  # the W&B project
+wandb_run_name = "gpt2-124M"  # the W&B run's name
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 
 
@@ -140,13 +139,7 @@ class DataLoaderLite:
         self.B, self.T, self.vocab_size, self.shuffle, self.seed = B, T, vocab_size, shuffle, seed
         self.rank, self.world, self.accum = process_rank, num_processes, accum_steps
         self.step_tokens = B * T * num_processes * accum_steps
-        self.shards = find_shards(data_root, split)
-        lengths = [len(t) - (cut_tail(t) if shuffle else 0) for t in map(open_shard, self.shards)]  # shuffled: no tail
-        for path, n in zip(self.shards, lengths):  # fail now, not hours into the run
-            if n < self.step_tokens + 1:
-                raise UserError(f"{path}: {n} tokens{' (less its cut first document)' * shuffle}, shorter than one "
-                                f"batch of B*T*world_size*grad_accum_steps + 1 = {B}*{T}*{num_processes}*{accum_steps} "
-                                f"+ 1 = {self.step_tokens + 1} tokens")
+        self.shards, lengths = usable_shards(data_root, split, self.step_tokens, shuffle, process_rank == 0)
         self.n_tokens, self.steps_per_epoch = sum(lengths), sum((n - 1) // self.step_tokens for n in lengths)
         self.open(0, 0, 0)
 
@@ -236,6 +229,7 @@ def evals_and_samples(state, val_data, hella_data, do_eval, do_sample):
         run_record.log(log_dir, f"{step} val {val_loss:.4f}")
         run_record.log(log_dir, f"{step} bpb {bpb:.4f}")
     if do_eval and hella_data is not None:  # the plain module: works the same with compile and DDP
+        from hellaswag import evaluate as evaluate_hellaswag  # imported by the runs that need it (see run)
         counts = evaluate_hellaswag(raw_model, hella_data, device, dtype, rank, world, memory.examples_per_batch(B, T))
         counts = torch.tensor(counts, device=device)
         if world > 1:
@@ -300,9 +294,9 @@ def main(argv=None):
     except UserError as e:
         sys.exit(f"error: {e}" if master else 1)
     globals().update(config)  # the rest reads the constants, as overridden
-    rank, world, device = setup_device(device, cpu_reuse_memory, collective_timeout)  # device: "auto" made concrete
     code = error = None
     try:
+        rank, world, device = setup_device(device, cpu_reuse_memory, collective_timeout)  # device: "auto" made concrete
         config = choose_precision(config, device)  # the same dtype on every rank
         dtype, compile = config['dtype'], config['compile']
         code = run()
@@ -314,6 +308,7 @@ def main(argv=None):
     finally:
         if error:
             print(error, file=sys.stderr, flush=True)  # before the teardown, which a rank that is gone can hold up
+        checkpoint.release_log_dir(log_dir, failed=code is None)  # a failed start leaves no log_dir it made
         end_process_group(finished=code is not None)
     if error is not None:
         sys.exit(1)
@@ -326,10 +321,10 @@ def run():
     """Set up the data, the model (fresh, pretrained or resumed) and the optimizer, then train;
     returns the exit code: 0, or checkpoint.EXIT_PREEMPTED after a SIGTERM."""
     master = rank == 0
+    for split in ('train', 'val') if eval_interval > 0 else ('train',):
+        find_shards(data_root, split)  # a missing folder is reported before log_dir is made or a model built
     checkpoint.claim_log_dir(log_dir)  # one run per log_dir: rank 0 locks log_dir/run.lock
     torch.manual_seed(seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
-    for split in ('train', 'val') if eval_interval > 0 else ('train',):
-        find_shards(data_root, split)  # a missing folder is reported before a model is built or downloaded
 
     # resume="auto": the newest checkpoint of log_dir that loads (the same command resumes a stopped run)
     ckpt_path, ckpt = checkpoint.find_checkpoint(log_dir, resume, device)
@@ -337,9 +332,6 @@ def run():
     global B  # "auto": the most that fit this device's free memory, by count (memory.py); every rank the least
     B, why = memory.micro_batch(config, raw_model.config, device, world)
     grad_accum_steps = accumulation_steps(total_batch_size, B, T, world)  # total_batch_size // (B * T * world)
-    if master:
-        print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
-        print(f"world_size={world} device={device} grad_accum_steps={grad_accum_steps}" + (f"\n{why}" if why else ""))
     loader = DataLoaderLite(B, T, rank, world, 'train', data_root, grad_accum_steps, raw_model.config.vocab_size,
                             shuffle, seed)
     val_data = load_val_tokens(data_root, val_tokens // T * T, raw_model.config.vocab_size) if eval_interval > 0 else None
@@ -357,15 +349,19 @@ def run():
                 print(f"nothing to do: {ckpt_path} is step {state.step} and max_steps={max_steps}; raise max_steps to "
                       f"train on, or point log_dir elsewhere to start afresh")
             return 0
-    if master:
-        print(f"parameters: {sum(p.numel() for p in raw_model.parameters()):,}")
-        print(f"train data: {loader.n_tokens:,} tokens, {loader.steps_per_epoch:,} steps per epoch at {total_batch_size:,} "
-              f"tokens per step; max_steps={max_steps} is {max_steps / loader.steps_per_epoch:.2f} epochs")
     state.model = torch.compile(raw_model, dynamic=False) if compile else raw_model  # static shapes: one training graph
     if world > 1 and parallel == 'ddp':  # gradients all-reduced during backward; rank 0's weights everywhere
         state.model = wrap_ddp(state.model, device)
-    hella_data = load_for_training(hellaswag_file, raw_model) if hellaswag and eval_interval > 0 else None
-    if master:
+    hella_data = None
+    if hellaswag and eval_interval > 0:  # imported only by the runs that score it: --help and typos answer sooner
+        from hellaswag import load_for_training
+        hella_data = load_for_training(hellaswag_file, raw_model)
+    if master:  # every check passed: the run starts
+        print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
+        print(f"world_size={world} device={device} grad_accum_steps={grad_accum_steps}" + (f"\n{why}" if why else ""))
+        print(f"parameters: {sum(p.numel() for p in raw_model.parameters()):,}")
+        print(f"train data: {loader.n_tokens:,} tokens, {loader.steps_per_epoch:,} steps per epoch at {total_batch_size:,} "
+              f"tokens per step; max_steps={max_steps} is {max_steps / loader.steps_per_epoch:.2f} epochs")
         checkpoint.prepare_log_dir(log_dir, state.step, state.evaluated)
         if wandb_log:
             run_record.wandb_start(config, log_dir)
@@ -398,7 +394,8 @@ def train(state, val_data, hella_data, grad_accum_steps):
     checkpoint.listen_for_stop_signals()  # from here SIGTERM and Ctrl-C only set a flag, read at step boundaries
     if master:  # MFU: model FLOPs per second over the peak of all processes' devices
         fpt, (peak, peak_from) = flops_per_token(state.raw_model.config, T), peak_flops(device, dtype)
-        print(f"mfu: against {peak / 1e12:.4g} TFLOP/s per process ({peak_from}), {fpt / 1e6:.4g} MFLOP per token")
+        print(f"mfu: against {peak / 1e12:.4g} TFLOP/s per process ({peak_from}), {fpt / 1e6:.4g} MFLOP per token"
+              if peak else f"mfu: {peak_from}")
     wait_for_all()  # rank 0 alone wrote run.json, started W&B and timed a matmul
     for step in range(start, max_steps + 1):
         last_step = step == max_steps
@@ -433,8 +430,8 @@ def train(state, val_data, hella_data, grad_accum_steps):
             t_first = time.time() if step == start else t_first  # the first step compiles: the ETA starts after it
             eta = round((dt if step == start else (time.time() - t_first) / (step - start)) * (max_steps - step - 1))
             print(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm.item():.4f} | dt {dt * 1000:.2f}ms | "
-                  f"tok/sec {total_batch_size / dt:.2f} | mfu {total_batch_size / dt * fpt / (peak * world):.1%} | "
-                  f"eta {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s" +
+                  f"tok/sec {total_batch_size / dt:.2f} | " + (f"mfu {total_batch_size / dt * fpt / (peak * world):.1%} | "
+                  if peak else "") + f"eta {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s" +
                   ("" if ok else f" | float16 overflow: update skipped, loss scale now {state.scaler.get_scale():g}"
                    if overflow else f" | non-finite: update skipped ({state.bad_steps} in a row, max_bad_steps={max_bad_steps})"))
             run_record.log(log_dir, f"{step} train {loss:.6f}")

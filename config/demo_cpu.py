@@ -3,7 +3,7 @@
 #   python fineweb.py --demo && python train_gpt2.py config/demo_cpu.py
 data_root = "demo_stdlib"
 log_dir = "log_demo"
-# 7.9M parameters, 6.4M of them the GPT-2 token embedding (tied with the output layer): the
+# 7.7M parameters, 6.4M of them the GPT-2 token embedding (tied with the output layer): the
 # 50,304-way output is most of the work, so depth is cheap and width is not
 n_layer = 6
 n_head = 4

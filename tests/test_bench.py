@@ -68,3 +68,18 @@ def test_bench_step_takes_B_auto_as_the_trainer_does():
                    env=one_thread())
     assert r.returncode == 0, r.stderr[-3000:]
     assert "B=4 (auto): " in r.stdout and "batch: B=4 T=32 grad_accum=1 " in r.stdout, r.stdout[-3000:]
+
+
+def test_bench_start_times_the_first_answer_against_import_torch():
+    """bench.py --bench_start (issue 31.3's measure): --help and a typo, each a whole process, beside
+    `import torch` in the same run; the figures are the bench's, not asserted here."""
+    import re
+    import subprocess
+    import sys
+    from conftest import ROOT
+    r = subprocess.run([sys.executable, "bench.py", "--bench_start=True", "--bench_steps=1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env=one_thread())
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(r"first answer, best of 1 processes, cpu: \w+\nimport torch: [\d.]+ s\n"
+                        r"--help: [\d.]+ s \([+-][\d.]+ s on import torch\)\n"
+                        r"a typo: [\d.]+ s \([+-][\d.]+ s on import torch\)\n", r.stdout), r.stdout

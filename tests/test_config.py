@@ -99,6 +99,82 @@ def test_cli_errors_exit_nonzero_with_one_line():
         "or point data_root at them")
 
 
+def test_help_shows_each_constants_comment():
+    """Issue 31.3: --help lists every constant once with its default and the comment written beside
+    it atop train_gpt2.py (found here by Python's own tokenizer), under its group's heading."""
+    import io
+    import tokenize
+    r = run_script(["--help"])
+    assert r.returncode == 0 and not r.stderr, r.stderr
+    comments = {}  # constant -> the comment on its line, by tokenize (the help reads the text its own way)
+    source = open(os.path.join(ROOT, "train_gpt2.py")).read()
+    tokens = list(tokenize.generate_tokens(io.StringIO(source[:source.index("\nDEFAULTS = ")]).readline))
+    on_line = {t.start[0]: t.string[1:].strip() for t in tokens if t.type == tokenize.COMMENT}
+    for t, after in zip(tokens, tokens[1:]):
+        if t.string in DEFAULTS and t.start[1] == 0 and after.string == "=":
+            comments[t.string] = on_line.get(t.start[0], "")
+    assert set(comments) == set(DEFAULTS) and all(comments.values()), [k for k, c in comments.items() if not c]
+    for key, comment in comments.items():
+        shown = [line for line in r.stdout.splitlines() if line.strip().startswith(f"--{key}=")]
+        assert len(shown) == 1 and shown[0].strip().startswith(f"--{key}={DEFAULTS[key]!r}"), (key, shown)
+        assert shown[0].endswith(comment), (key, shown, comment)
+    assert "\nsystem:\n" in r.stdout and "\nI/O:\n  --data_root=" in r.stdout
+
+
+def test_first_answer_imports_only_what_every_run_needs():
+    """Issue 31.3: --help and a typo are answered before anything only some runs need is imported
+    (FSDP, DTensor, HellaSwag, W&B, HF, the compiler): a fresh interpreter, as a user's."""
+    import subprocess
+    import sys
+    heavy = ("torch.distributed.fsdp", "torch.distributed.tensor", "hellaswag", "wandb", "transformers", "datasets",
+             "tiktoken", "torch._dynamo", "torch._inductor", "matplotlib")
+    for argv in (["--help"], ["--max_step=3"]):
+        code = ("import runpy, sys\n"
+                f"sys.argv = ['train_gpt2.py', *{argv!r}]\n"
+                "try:\n    runpy.run_path('train_gpt2.py', run_name='__main__')\n"
+                "except SystemExit as e:\n    print('exit', e.code, file=sys.stderr)\n"
+                f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))\n")
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.stdout.strip().splitlines()[-1] == "[]", (argv, r.stdout[-500:])
+        assert r.stderr.strip().splitlines()[-1] == ("exit 0" if argv == ["--help"] else "exit error: unknown config "
+                                                     "key 'max_step' in --max_step=3; closest valid names: max_steps, "
+                                                     "max_bad_steps, warmup_steps"), r.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without a GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", "mps"])
+def test_a_device_that_is_not_here_is_one_line(tmp_path, device):
+    """Issue 31.5: --device=cuda on a machine without one: one line naming the devices there are,
+    and nothing made (no log_dir)."""
+    import torch
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has an Apple GPU")
+    r = run_script([f"--device={device}", f"--log_dir={tmp_path / 'log'}"])
+    assert r.returncode == 1 and not (tmp_path / "log").exists()
+    import re
+    assert len(r.stderr.strip().splitlines()) == 1 and re.fullmatch(
+        rf"error: device={device!r} is not on this machine \((this torch \S+ is built without CUDA|torch sees no CUDA "
+        rf"GPU|torch sees no Apple GPU)\); devices here: cpu \(device='auto' picks the best of them\)", r.stderr.strip()), r.stderr
+
+
+def test_a_failed_start_leaves_nothing(tmp_path):
+    """Issue 31.4: a start that fails, before or after log_dir is locked, leaves no log_dir it made
+    and prints no config; a log_dir that was there keeps what it held."""
+    from conftest import TINY, random_shards
+    data = random_shards(tmp_path / "data", 0, 200, [200])
+    log_dir = tmp_path / "log_nope"
+    for args in (["--data_root=nope"],  # found missing before log_dir is made
+                 [f"--data_root={data}", "--T=64"],  # longer than block_size=32: found once the model is built
+                 [f"--data_root={data}", "--T=16", "--B=2", "--total_batch_size=256"]):  # no shard holds a step
+        r = run_script([*TINY, *args, f"--log_dir={log_dir}"])
+        assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not log_dir.exists() and "config:" not in r.stdout, (args, r.stdout)
+    log_dir.mkdir()
+    (log_dir / "notes.txt").write_text("mine")
+    r = run_script([*TINY, f"--data_root={data}", "--T=64", f"--log_dir={log_dir}"])
+    assert r.returncode == 1 and sorted(os.listdir(log_dir)) == ["notes.txt", "run.lock"]
+
+
 def test_total_batch_size_must_divide():
     r = run_script(["--device=cpu", "--B=4", "--T=64", "--total_batch_size=1000"])
     assert r.returncode == 1
@@ -143,6 +219,20 @@ PRESETS = sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))
 def test_presets_exist():
     assert [os.path.basename(p) for p in PRESETS] == [
         "demo_cpu.py", "gpt2_124M.py", "gpt2_1558M.py", "gpt2_350M.py", "gpt2_774M.py"]
+
+
+def test_demo_preset_and_readme_say_its_size():
+    """Issue 31.8: the demo's parameter count as the preset and the README write it is the model's
+    (counted on the meta device), and so is the embedding's share."""
+    import torch
+    from model import GPT, GPTConfig
+    c = parse_config([os.path.join(ROOT, "config", "demo_cpu.py")], DEFAULTS)
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_dict(c))
+    n, emb = sum(p.numel() for p in model.parameters()), model.transformer.wte.weight.numel()
+    preset = open(os.path.join(ROOT, "config", "demo_cpu.py")).read()
+    assert f"# {n / 1e6:.1f}M parameters, {emb / 1e6:.1f}M of them the GPT-2 token embedding" in preset, n
+    assert f"a {n / 1e6:.1f}M-parameter GPT" in open(os.path.join(ROOT, "README.md")).read()
 
 
 @pytest.mark.parametrize("path", PRESETS)

@@ -1,6 +1,8 @@
 """The CUDA paths against the CPU float32 reference: fused AdamW, the loss layer in bf16, flash
 attention, compile, KV-cached generation, the CUDA RNG state in checkpoints. Skipped without a GPU
 (scripts/gpu_checks.sh runs them on one)."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +11,7 @@ import checkpoint
 import train_gpt2
 from conftest import TINY, random_shards, read_log, run_script
 from hardware import autocast, resolve_dtype
-from model import GPT, GPTConfig, LinearCrossEntropy
+from model import GPT, GPTConfig, LinearCrossEntropy, flops_per_token
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CONFIG = GPTConfig(block_size=128, vocab_size=1024, n_layer=2, n_head=4, n_embd=128)
@@ -180,6 +182,15 @@ def test_plain_python_run_on_the_gpu(tmp_path, device):
         assert outs[d].returncode == 0, outs[d].stderr[-2000:]
         logs[d] = read_log(tmp_path / d)
     assert "device=cuda:0" in outs[device].stdout
+    # MFU = tok/s x model FLOPs per token / peak (float32: a matmul measured at start), never above 100%
+    (peak, fpt), = re.findall(r"mfu: against ([\d.e+]+) TFLOP/s per process \(measured matmul\), ([\d.e+]+) MFLOP "
+                              r"per token", outs[device].stdout)
+    lines = re.findall(r"^step +\d+ \| loss .* \| tok/sec ([\d.]+) \| mfu ([\d.]+)% \| eta ", outs[device].stdout, re.M)
+    assert len(lines) == 4 and float(fpt) == pytest.approx(flops_per_token(GPTConfig(
+        block_size=32, n_layer=2, n_head=2, n_embd=32, vocab_size=512), 32) / 1e6, rel=1e-3)
+    for tok_s, mfu in lines:
+        assert float(mfu) == pytest.approx(float(tok_s) * float(fpt) * 1e6 / (float(peak) * 1e12) * 100, rel=2e-3,
+                                           abs=0.06) and float(mfu) <= 100
     for step, loss in logs["cpu"]["train"].items():
         assert logs[device]["train"][step] == pytest.approx(loss, abs=5e-3)
     assert (tmp_path / device / "model_00004.pt").is_file()

@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -66,16 +68,22 @@ def test_shards_are_memory_mapped(tmp_path):
 def test_error_paths(tmp_path):
     with pytest.raises(UserError, match=r"data folder '.*nope' not found: run `python fineweb.py`"):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path / "nope"))
-    write_shards(tmp_path, "val", [np.arange(50)])
     with pytest.raises(UserError, match=r"no train shard \(\*_train_\*\.npy\) in .*run `python fineweb.py`"):
+        DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
+    write_shards(tmp_path, "val", [np.arange(50)])  # a corpus smaller than one shard: lower --shard_size, not download
+    with pytest.raises(UserError, match=r"holds a val shard and no train shard: its corpus was smaller than one "
+                                        r"--shard_size .* with a smaller --shard_size, about a tenth"):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
     np.save(tmp_path / "x_train_000000.npy", np.arange(100, dtype=np.int32))
     with pytest.raises(UserError, match=r"x_train_000000\.npy: expected a 1-D uint16 array of token ids, got int32"):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
     np.save(tmp_path / "x_train_000000.npy", np.arange(100, dtype=np.uint16))
-    write_shards(tmp_path, "train", [np.arange(16)], prefix="y")  # sorts after x_: the short one
-    with pytest.raises(UserError, match=r"y_train_000000\.npy: 16 tokens, shorter than one batch .* = 17 tokens"):
-        DataLoaderLite(B, T, 0, 2, "train", str(tmp_path))
+    write_shards(tmp_path, "train", [np.arange(16)], prefix="y")  # sorts after x_: the short one (a remainder)
+    loader = DataLoaderLite(B, T, 0, 2, "train", str(tmp_path))  # a step is 16 + 1 tokens: y_ is left out
+    assert [os.path.basename(p) for p in loader.shards] == ["x_train_000000.npy"] and loader.steps_per_epoch == 6
+    with pytest.raises(UserError, match=r"no train shard in .* holds one step of total_batch_size \+ 1 = 257 tokens "
+                                        r"\(the longest, .*x_train_000000\.npy: 100 tokens\): lower total_batch_size"):
+        DataLoaderLite(B, T, 0, 2, "train", str(tmp_path), accum_steps=16)
     (tmp_path / "z_train_000000.npy").write_bytes(b"not numpy")
     with pytest.raises(UserError, match=r"z_train_000000\.npy: not a readable \.npy array"):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))

@@ -4,6 +4,7 @@ import ast
 import glob
 import os
 import re
+import sys
 
 import forked
 from conftest import ROOT, one_thread
@@ -113,24 +114,69 @@ def test_slurm_lead_time_is_one_figure():
     assert {m for t in texts for m in re.findall(r"TERM@(\d+)", t)} == {"300"}
 
 
-def test_looking_at_a_run_works_right_after_the_quick_start(tmp_path):
-    """Issue 21.11: the README's "Looking at a run" commands use the quick start's own paths
-    (log_demo/, its last checkpoint model_00120.pt) and run as written once it has finished. The
-    run here is the quick start's config made tiny, on random shards: the same files appear."""
+def readme_commands():
+    """Every command of the README's ```bash blocks, in order ('a && b' is two; continued lines joined)."""
+    blocks = re.findall(r"```bash\n(.*?)```", read("README.md"), re.S)
+    return [c.strip() for block in blocks for line in bash_block("```bash\n" + block + "```", "```bash")
+            for c in line.split(" && ") if not line.startswith("#")]
+
+
+def left_out(command):
+    """Why a README command is not run here, or None: GPUs, SLURM, FineWeb-Edu (20 GB), the tests."""
+    if re.search(r"nproc_per_node=8|--nnodes|^sbatch ", command):
+        return "GPUs or SLURM"
+    if command == "python fineweb.py" or ("train_gpt2.py" in command and "config/demo_cpu.py" not in command):
+        return "FineWeb-Edu"  # the trainer's default data_root, edu_fineweb10B
+    if "pytest" in command or command.startswith("pip install"):
+        return "the tests' own, or an install"
+    return None
+
+
+def test_readme_commands_run_in_order(tmp_path):
+    """Issue 31.1: the README's commands, run in order as written, each do what its comment says:
+    the quick start trains into log_demo/ (its config made tiny here, on random shards in
+    demo_stdlib/: fineweb.py --demo is test_fineweb.py's), the 2-process CPU line trains the same
+    steps into a log_dir of its own (it used to resume the finished demo: 'nothing to do'), and the
+    "Looking at a run" lines plot, sample and export it. What is left out is left out by rule."""
+    import shlex
     from conftest import random_shards
-    readme = read("README.md")
-    commands = bash_block(readme, "## Looking at a run")
-    quick = bash_block(readme, "## Quick start")[0]
-    assert "config/demo_cpu.py" in quick and all("log/" not in c for c in commands), commands
-    data = random_shards(tmp_path / "demo_stdlib", 0, 3000, [20000], vocab=50257)
-    run_command(f"python train_gpt2.py {os.path.join(ROOT, 'config', 'demo_cpu.py')}", tmp_path, "--n_layer=1",
-                "--n_embd=32", "--n_head=2", "--block_size=32", "--T=32", "--B=2", "--total_batch_size=64",
-                "--val_tokens=256", "--sample_length=4", "--device=cpu", "--dtype=float32")
-    assert (tmp_path / "log_demo" / "model_00120.pt").exists()
-    for command in commands:
-        run_command(command, tmp_path)
+    commands = readme_commands()
+    run_here = [c for c in commands if left_out(c) is None]
+    assert len(commands) - len(run_here) == 13, [c for c in commands if left_out(c)]
+    assert run_here == ["python fineweb.py --demo", "python train_gpt2.py config/demo_cpu.py",
+                        "torchrun --standalone --nproc_per_node=2 train_gpt2.py config/demo_cpu.py --log_dir=log_demo_ddp",
+                        "python plot.py log_demo --out demo.png",
+                        'python sample.py --model log_demo --prompt "def" --num_samples 4',
+                        "python export_hf.py log_demo/model_00120.pt demo_hf"], run_here
+    random_shards(tmp_path / "demo_stdlib", 0, 3000, [20000], vocab=50257)
+    (tmp_path / "config").symlink_to(os.path.join(ROOT, "config"))  # the commands run from the project's folder
+    tiny = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=32", "--T=32", "--B=2", "--total_batch_size=128",
+            "--val_tokens=256", "--sample_length=4", "--device=cpu", "--dtype=float32"]
+    outs = {}
+    for command in run_here[1:]:
+        words = shlex.split(command)
+        extra = tiny if "train_gpt2.py" in words else []
+        if words[0] == "torchrun":
+            r = forked.run([sys.executable, "-m", "torch.distributed.run", *words[1:3], os.path.join(ROOT, words[3]),
+                            *words[4:], *extra], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env=one_thread())
+            assert r.returncode == 0, (command, r.stdout[-2000:], r.stderr[-2000:])
+        else:
+            r = run_command(command, tmp_path, *extra)
+        outs[command] = r
+    one, two = read_log_lines(tmp_path / "log_demo"), read_log_lines(tmp_path / "log_demo_ddp")
+    assert "nothing to do" not in outs[run_here[2]].stdout and "world_size=2 " in outs[run_here[2]].stdout
+    assert [s for s, kind, _ in two if kind == "train"] == list(range(120))  # trained from step 0
+    for (s1, k1, v1), (s2, k2, v2) in zip(one, two, strict=True):  # the same steps: losses to float32's sums
+        assert (s1, k1) == (s2, k2) and abs(v1 - v2) < 2e-4 * max(1, abs(v1)), (s1, k1, v1, v2)
     assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
+    sample = outs[run_here[4]]
+    assert sample.stdout.count("--- sample ") == 4 and "log_demo/model_00120.pt" in sample.stderr
     assert (tmp_path / "demo_hf" / "model.safetensors").exists() and (tmp_path / "demo_hf" / "tokenizer.json").exists()
+
+
+def read_log_lines(log_dir):
+    return [(int(a), b, float(c)) for a, b, c in (line.split() for line in open(log_dir / "log.txt"))]
 
 
 def test_own_documents_commands_of_data_md(tmp_path):
@@ -142,19 +188,28 @@ def test_own_documents_commands_of_data_md(tmp_path):
     assert len(commands) == 2 and "--shard_size" in commands[0], commands
     (tmp_path / "my_corpus").mkdir()
     words = "the of a model data train token shard loss step learning rate batch value".split()
-    for i in range(2):  # 1.3M tokens: a val shard of 1M tokens and a train shard of the rest
+    for i in range(2):  # the size the docs give the example: a few hundred KB, about 100,000 tokens
         with open(tmp_path / "my_corpus" / f"part{i}.jsonl", "w") as f:
-            for d in range(2150):
+            for d in range(180):
                 f.write(json.dumps({"text": " ".join(words[(i * 7 + d * 3 + k) % len(words)] for k in range(300))}) + "\n")
     (tmp_path / "config").symlink_to(os.path.join(ROOT, "config"))  # the commands run from the project's folder
+    size = sum(os.path.getsize(p) for p in glob.glob(str(tmp_path / "my_corpus" / "*")))
     r = run_command(commands[0], tmp_path)
     assert "warning" not in r.stdout + r.stderr
-    assert len(glob.glob(str(tmp_path / "my_data" / "*_train_*.npy"))) >= 1
+    tokens = int(re.search(r"done: ([\d,]+) tokens", r.stdout).group(1).replace(",", ""))
+    assert 200_000 < size < 900_000 and 80_000 < tokens < 150_000, (size, tokens)
+    assert len(glob.glob(str(tmp_path / "my_data" / "local_train_*.npy"))) >= 4  # named as local files'
     run_command(commands[1], tmp_path, "--max_steps=2", "--device=cpu", "--dtype=float32", "--val_tokens=1024",
                 "--sample_interval=0")
     assert "2 val " in (tmp_path / "log_my_data" / "log.txt").read_text()
-    r = run_command(commands[0].replace(" --shard_size 1000000", "").replace("my_data", "my_data_one_shard"), tmp_path)
+    r = run_command(commands[0].replace(" --shard_size 20000", "").replace("my_data", "my_data_one_shard"), tmp_path)
     assert "warning: only the val shard was written" in r.stdout + r.stderr
+    r = forked.run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), "config/demo_cpu.py",
+                    "--data_root=my_data_one_shard", "--log_dir=log_one_shard"], cwd=tmp_path, capture_output=True,
+                   text=True, timeout=300, env=one_thread())
+    assert r.returncode == 1 and r.stderr.startswith("error: 'my_data_one_shard' holds a val shard and no train "
+                                                     "shard") and "smaller --shard_size" in r.stderr, r.stderr
+    assert not (tmp_path / "log_one_shard").exists() and "config:" not in r.stdout  # nothing made, nothing printed
 
 
 def test_fsdp_memory_table_matches_a_count():

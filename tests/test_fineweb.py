@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import fineweb
+import shards
 import forked
 from conftest import ROOT, one_thread
 from train_gpt2 import DataLoaderLite
@@ -23,8 +24,9 @@ def make_docs(n, seed=0, max_words=400):
     return [" ".join(rng.choice(WORDS, rng.integers(1, max_words))) for _ in range(n)]
 
 
-def expected_files(docs, shard_size, enc, max_tokens=0):
-    """build-nanogpt's output, computed the brute-force way: {name: bytes of np.save}."""
+def expected_files(docs, shard_size, enc, max_tokens=0, prefix="local"):
+    """build-nanogpt's output, computed the brute-force way: {name: bytes of np.save}; its names
+    (prefix edufineweb) for FineWeb-Edu, "local" for local files."""
     stream = np.concatenate([np.array([50256] + enc.encode_ordinary(d), dtype=np.uint16) for d in docs])
     if max_tokens:
         stream = stream[:max_tokens]
@@ -32,7 +34,7 @@ def expected_files(docs, shard_size, enc, max_tokens=0):
     for i, start in enumerate(range(0, len(stream), shard_size)):
         f = io.BytesIO()
         np.save(f, stream[start:start + shard_size])
-        out[f"edufineweb_{'val' if i == 0 else 'train'}_{i:06d}.npy"] = f.getvalue()
+        out[f"{prefix}_{'val' if i == 0 else 'train'}_{i:06d}.npy"] = f.getvalue()
     return out
 
 
@@ -64,11 +66,11 @@ def test_local_parquet_and_jsonl_shards(tmp_path, enc, num_proc):
     fineweb.main(["--dataset", str(src), "--out_dir", str(out), "--shard_size", "1000", f"--num_proc={num_proc}"])
     want = expected_files(docs, 1000, enc)
     assert len(want) > 3 and shard_files(out) == want  # names, sizes, split, bytes
-    assert len(np.load(out / "edufineweb_val_000000.npy")) == 1000
+    assert len(np.load(out / "local_val_000000.npy")) == 1000 and shards.dataset_of(out) == "local files"
     # the trainer reads them
     loader = DataLoaderLite(2, 8, 0, 1, "train", str(out))
     x, y = loader.next_batch()
-    assert x.flatten()[:5].tolist() == list(np.load(out / "edufineweb_train_000001.npy")[:5])
+    assert x.flatten()[:5].tolist() == list(np.load(out / "local_train_000001.npy")[:5])
 
 
 def test_glob_max_tokens_and_a_document_longer_than_a_shard(tmp_path, enc):
@@ -93,6 +95,25 @@ def test_rerun_on_a_complete_folder_reuses_everything(tmp_path, capsys):
     assert shard_files(tmp_path / "out") == before
 
 
+def interrupted(monkeypatch, argv, at, torn=False):
+    """fineweb.main(argv) stopped by Ctrl-C at its at-th atomic write (see below); torn: with the
+    half-written temporary file a kill would leave beside it."""
+    real, calls = fineweb.atomic_write, []
+
+    def interrupting(path, write):
+        calls.append(path)
+        if len(calls) == at:
+            if torn:
+                with open(f"{path}.tmp123", "wb") as f:
+                    f.write(b"half")
+            raise KeyboardInterrupt
+        real(path, write)
+    monkeypatch.setattr(fineweb, "atomic_write", interrupting)
+    with pytest.raises(SystemExit, match="interrupted: finished shards are kept; run the same command again"):
+        fineweb.main(argv)
+    monkeypatch.setattr(fineweb, "atomic_write", real)
+
+
 # the writes: 1 the empty manifest; then per shard k: 2k the shard, 2k+1 the manifest recording it;
 # last the manifest marked complete. Negative: counted from the end (the final shard and 'complete').
 @pytest.mark.parametrize("crash_at", [1, 2, 3, 4, 5, 7, -3, -2, -1])
@@ -107,19 +128,7 @@ def test_interrupted_then_rerun_is_byte_identical(tmp_path, monkeypatch, capsys,
     want = expected_files(docs, 700, enc, max_tokens)
     n_writes = 2 + 2 * len(want)
     crash_at = crash_at if crash_at > 0 else n_writes + 1 + crash_at
-    real, calls = fineweb.atomic_write, []
-
-    def interrupting(path, write):
-        calls.append(path)
-        if len(calls) == crash_at:
-            with open(f"{path}.tmp123", "wb") as f:  # as a kill would leave it
-                f.write(b"half")
-            raise KeyboardInterrupt
-        real(path, write)
-    monkeypatch.setattr(fineweb, "atomic_write", interrupting)
-    with pytest.raises(SystemExit, match="interrupted: finished shards are kept; run the same command again"):
-        fineweb.main(args)
-    monkeypatch.setattr(fineweb, "atomic_write", real)
+    interrupted(monkeypatch, args, crash_at, torn=True)
     capsys.readouterr()
     fineweb.main(args)
     out = capsys.readouterr().out
@@ -127,6 +136,25 @@ def test_interrupted_then_rerun_is_byte_identical(tmp_path, monkeypatch, capsys,
         assert "resuming: reused" in out
     assert shard_files(tmp_path / "out") == want
     assert not glob.glob(str(tmp_path / "out" / "*.tmp*"))
+
+
+def test_a_folder_begun_with_older_names_keeps_them(tmp_path, monkeypatch, enc):
+    """A folder an older fineweb.py began (every shard named edufineweb_, whatever the data), resumed:
+    its new shards take the names it began with, so the trainer reads one consistent set."""
+    docs = make_docs(40, seed=2)
+    write_jsonl(tmp_path / "d.jsonl", docs)
+    args = ["--dataset", str(tmp_path / "d.jsonl"), "--out_dir", str(tmp_path / "out"), "--shard_size", "700",
+            "--num_proc=1"]
+    interrupted(monkeypatch, args, 8)  # at the 4th shard
+    manifest = json.loads((tmp_path / "out" / shards.MANIFEST).read_text())
+    for shard in manifest["shards"]:  # as the older version named them
+        old = shard["file"].replace("local_", "edufineweb_")
+        os.rename(tmp_path / "out" / shard["file"], tmp_path / "out" / old)
+        shard["file"] = old
+    (tmp_path / "out" / shards.MANIFEST).write_text(json.dumps(manifest))
+    fineweb.main(args)
+    assert len(manifest["shards"]) == 3 and shard_files(tmp_path / "out") == expected_files(docs, 700, enc,
+                                                                                           prefix="edufineweb")
 
 
 def test_kill_9_then_rerun_is_byte_identical(tmp_path):
@@ -190,7 +218,7 @@ def test_error_paths(tmp_path, capsys):
     assert not out.exists() or not glob.glob(str(out / "*.npy"))  # the good first document wrote no shard
     (tmp_path / "j.jsonl").write_text('{"text": "fine"}\n{"text": "mended"}\n')  # fixed: the rerun goes through
     fineweb.main(["--dataset", str(tmp_path / "j.jsonl"), "--out_dir", str(out), "--num_proc=1"])
-    assert len(np.load(out / "edufineweb_val_000000.npy")) == 2 + len(fineweb.tokenize("fine")) + len(fineweb.tokenize("mended")) - 2
+    assert len(np.load(out / "local_val_000000.npy")) == 2 + len(fineweb.tokenize("fine")) + len(fineweb.tokenize("mended")) - 2
     folder = tmp_path / "two_parquets"
     os.makedirs(folder)
     write_parquet(folder / "a.parquet", make_docs(50))
@@ -237,21 +265,15 @@ def test_hf_dataset_path(tmp_path, monkeypatch, enc):
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     fineweb.main(["--out_dir", str(tmp_path / "a"), "--shard_size", "800", "--num_proc=1", "--streaming"])
     assert asked == [("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)]
-    assert shard_files(tmp_path / "a") == expected_files(docs, 800, enc)
+    assert shard_files(tmp_path / "a") == expected_files(docs, 800, enc, prefix="edufineweb")  # build-nanogpt's names
+    assert shards.dataset_of(tmp_path / "a") == "HuggingFaceFW/fineweb-edu sample-10BT"  # what run.json records
+    fineweb.main(["--dataset", "HuggingFaceFW/fineweb", "--out_dir", str(tmp_path / "f"), "--shard_size", "800",
+                  "--num_proc=1", "--streaming"])  # another dataset: names of its own
+    assert shard_files(tmp_path / "f") == expected_files(docs, 800, enc, prefix="fineweb")
     # not streaming, interrupted after 3 shards, resumed through Dataset.skip
-    real, calls = fineweb.atomic_write, []
-
-    def interrupting(path, write):
-        calls.append(path)
-        if len(calls) == 8:  # manifest, then (shard, manifest) x 3, then the 4th shard
-            raise KeyboardInterrupt
-        real(path, write)
-    monkeypatch.setattr(fineweb, "atomic_write", interrupting)
-    with pytest.raises(SystemExit, match="interrupted"):
-        fineweb.main(["--out_dir", str(tmp_path / "c"), "--shard_size", "800", "--num_proc=1"])
-    monkeypatch.setattr(fineweb, "atomic_write", real)
+    interrupted(monkeypatch, ["--out_dir", str(tmp_path / "c"), "--shard_size", "800", "--num_proc=1"], 8)  # 4th shard
     fineweb.main(["--out_dir", str(tmp_path / "c"), "--shard_size", "800", "--num_proc=1"])
-    assert shard_files(tmp_path / "c") == expected_files(docs, 800, enc)
+    assert shard_files(tmp_path / "c") == expected_files(docs, 800, enc, prefix="edufineweb")
     with pytest.raises(SystemExit, match="HuggingFaceFW/fineweb-edu: no column 'body'; columns: text, id"):
         fineweb.main(["--out_dir", str(tmp_path / "b"), "--text_column", "body", "--num_proc=1"])
 
@@ -277,10 +299,10 @@ def test_demo_corpus_is_deterministic(tmp_path, enc):
                        cwd=ROOT, capture_output=True, text=True, env=one_thread())
         assert r.returncode == 0, r.stderr
     a, b = shard_files(tmp_path / "d1"), shard_files(tmp_path / "d2")
-    assert a == b and len(a) > 5
+    assert a == b and len(a) > 5 and shards.dataset_of(tmp_path / "d1") == "demo: the Python standard library"
     total = sum(len(np.load(tmp_path / "d1" / name)) for name in a)
     assert 2_000_000 < total < 20_000_000  # a few million tokens
-    assert np.load(tmp_path / "d1" / "edufineweb_train_000003.npy")[:10].tolist() == \
+    assert np.load(tmp_path / "d1" / "demo_train_000003.npy")[:10].tolist() == \
         np.concatenate([[50256] + enc.encode_ordinary(d) for d in first])[1_500_000:1_500_010].tolist()
 
 

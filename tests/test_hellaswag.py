@@ -163,7 +163,8 @@ def test_download(tmp_path):
 
 
 def test_standalone_cli(tmp_path, hf_and_ours):
-    """python hellaswag.py --model <HF dir> --file ... prints what evaluate counts; a .pt checkpoint too."""
+    """python hellaswag.py --model <HF dir> --file ... prints what evaluate counts; a .pt checkpoint and
+    a run's log_dir too."""
     import sys
     from conftest import ROOT
     hf, ours = hf_and_ours
@@ -173,11 +174,12 @@ def test_standalone_cli(tmp_path, hf_and_ours):
     n, c, cn = hellaswag.evaluate(ours, [hellaswag.render_example(e) for e in examples[:15]], "cpu")
     want = f"acc: {c / n:.4f} acc_norm: {cn / n:.4f}"
     torch.save({"model": ours.state_dict(), "config": ours.config.__dict__}, tmp_path / "model_00001.pt")
-    for model in (tmp_path / "hfdir", tmp_path / "model_00001.pt"):
+    for model in (tmp_path / "hfdir", tmp_path / "model_00001.pt", tmp_path):  # tmp_path: a log_dir, its newest
         r = forked.run([sys.executable, "hellaswag.py", "--model", str(model), "--file", str(tmp_path / "h.jsonl"),
                             "--device", "cpu", "--limit", "15"], cwd=ROOT, capture_output=True, text=True, env=one_thread())
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip().splitlines()[-1] == want
+    assert r.stderr.startswith(f"{tmp_path}: its newest checkpoint, {tmp_path / 'model_00001.pt'}\n"), r.stderr
     r = forked.run([sys.executable, "hellaswag.py", "--model", str(tmp_path / "hfdir"), "--file",
                         str(tmp_path / "missing.jsonl")], cwd=ROOT, capture_output=True, text=True, env=one_thread())
     assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'missing.jsonl'}: no such file (expected HellaSwag jsonl, one example per line)"

@@ -1,7 +1,9 @@
 """What a run leaves and the tools that read it: plot.py, sample.py, export_hf.py, run.json, W&B,
-and the ETA and MFU on the console."""
+and the ETA (and no MFU on a CPU) on the console."""
 import json
+import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -39,23 +41,15 @@ def run(tmp_path_factory):
 
 # --- the console and run.json --------------------------------------------------------------------
 
-def test_step_line_shows_mfu_and_eta(run):
-    """MFU = tok/s x model FLOPs per token / peak, with the figures the run printed; the ETA counts
-    down to 0 at the last step."""
+def test_step_line_shows_eta_and_no_mfu_on_a_cpu(run):
+    """Issue 31.2: on a CPU no peak holds (a matmul timed at start gave MFUs of 20-292%), so each
+    start says MFU is not shown and the step lines have none; the ETA counts down to 0 at the last
+    step. The MFU formula is checked on a GPU (test_cuda.py)."""
     _, out = run
-    peaks = re.findall(r"mfu: against ([\d.e+]+) TFLOP/s per process \(measured matmul\), ([\d.e+]+) MFLOP per token",
-                       out)
-    assert len(peaks) == 2  # one per start
-    lines = re.findall(r"^step +(\d+) \| loss .* \| tok/sec ([\d.]+) \| mfu ([\d.]+)% \| eta (\d+)h(\d\d)m(\d\d)s$",
-                       out, re.M)
-    assert [int(s) for s, *_ in lines] == list(range(6))
-    for i, (step, tok_s, mfu, *_) in enumerate(lines):
-        peak, fpt = (float(v) for v in peaks[0 if int(step) < 3 else 1])
-        assert float(mfu) == pytest.approx(float(tok_s) * fpt * 1e6 / (peak * 1e12) * 100, rel=2e-3, abs=0.06)
-    assert tuple(map(int, lines[-1][3:])) == (0, 0, 0) and tuple(map(int, lines[2][3:])) == (0, 0, 0)
-    from model import GPTConfig, flops_per_token
-    assert float(peaks[0][1]) == pytest.approx(flops_per_token(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32,
-                                                                         vocab_size=50304), 16) / 1e6, rel=1e-3)
+    assert len(re.findall(r"^mfu: not shown on a CPU: .*; tok/sec is the figure to compare$", out, re.M)) == 2
+    lines = re.findall(r"^step +(\d+) \| loss .* \| tok/sec ([\d.]+) \| eta (\d+)h(\d\d)m(\d\d)s$", out, re.M)
+    assert [int(s) for s, *_ in lines] == list(range(6)) and "mfu " not in out
+    assert tuple(map(int, lines[-1][2:])) == (0, 0, 0) and tuple(map(int, lines[2][2:])) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("name,flops", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
@@ -163,7 +157,7 @@ def test_plot_one_run(run, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert [title for title, _ in panels] == ["loss", "val bits per byte"]  # a run without HellaSwag
     (_, loss_lines), (_, bpb_lines) = panels
-    assert {"log train (smoothed)", "log val", "GPT-2 124M (OpenAI) val loss: 3.2924"} <= set(loss_lines)
+    assert {"log train (smoothed)", "log val"} <= set(loss_lines)
     assert bpb_lines == ["log"]
 
 
@@ -204,17 +198,74 @@ def test_plot_build_nanogpt_log_and_two_runs(run, tmp_path, capsys):
     assert "nanogpt_run" in hella_lines
 
 
+def a_log_dir(folder, run_json=None):
+    """folder as a run's log_dir: a short log.txt (val, HellaSwag, train) and, unless None, run_json
+    (a list of entries, written as JSON, or the file's text)."""
+    folder.mkdir()
+    (folder / "log.txt").write_text("0 val 10.9863\n0 hella 0.2468\n0 train 10.955424\n1 train 10.412341\n")
+    if run_json is not None:
+        (folder / "run.json").write_text(run_json if isinstance(run_json, str) else json.dumps(run_json))
+    return str(folder)
+
+
+def val_references(tmp_path, *log_dirs):
+    """The labels of GPT-2's val loss line when plot.py draws log_dirs (none, or one); HellaSwag's
+    lines are drawn whatever the data: the same eval."""
+    (_, loss_lines), (_, hella_lines) = plot.main([*log_dirs, "--out", str(tmp_path / "plot.png")])
+    assert {"GPT-2 124M (OpenAI): 0.2955", "GPT-3 124M (paper): 0.337"} <= set(hella_lines)
+    return [label for label in loss_lines if "3.2924" in label]
+
+
+def test_plot_draws_gpt2_val_loss_only_over_fineweb_edu(tmp_path, capsys):
+    """Issue: GPT-2's 3.2924 is FineWeb-Edu's val loss, meaningless over a run on other data (the
+    demo's Python standard library): drawn, with its dataset in the label, only when some run is
+    FineWeb-Edu's, as its run.json's last entry says (or build-nanogpt's log dir, no run.json)."""
+    demo = a_log_dir(tmp_path / "demo", [{"config": {"data_root": "data/fineweb_demo"},  # the dataset, not the name
+                                          "dataset": "demo: the Python standard library"}])
+    edu = a_log_dir(tmp_path / "edu", [{"config": {"data_root": "x"}, "dataset": "HuggingFaceFW/fineweb-edu sample-10BT"}])
+    nanogpt = a_log_dir(tmp_path / "nanogpt")
+    assert val_references(tmp_path, demo) == []
+    assert val_references(tmp_path, edu) == ["GPT-2 124M (OpenAI), FineWeb-Edu val loss: 3.2924"]
+    assert val_references(tmp_path, nanogpt) == ["GPT-2 124M (OpenAI), FineWeb-Edu val loss: 3.2924"]
+    assert val_references(tmp_path, demo, edu) == ["GPT-2 124M (OpenAI), FineWeb-Edu val loss: 3.2924"]  # some run
+    # which runs are FineWeb-Edu's: the last start's dataset; older entries without one, data_root's name
+    entry = {"config": {"data_root": "/data/edu_fineweb10B/"}}
+    assert plot.is_fineweb_edu(a_log_dir(tmp_path / "old", [entry]))
+    assert plot.is_fineweb_edu(a_log_dir(tmp_path / "no_manifest", [dict(entry, dataset=None)]))
+    assert not plot.is_fineweb_edu(a_log_dir(tmp_path / "local", [dict(entry, dataset="local files")]))
+    assert not plot.is_fineweb_edu(a_log_dir(tmp_path / "old_stdlib", [{"config": {"data_root": "stdlib"}}]))
+    assert not plot.is_fineweb_edu(a_log_dir(tmp_path / "then_demo", [
+        {"config": {"data_root": "a"}, "dataset": "HuggingFaceFW/fineweb-edu sample-10BT"},
+        {"config": {"data_root": "b"}, "dataset": "demo: the Python standard library"}]))
+    capsys.readouterr()
+    for i, text in enumerate(["{not json", "{}", "[]", "[3]", '[{"dataset": 5}]', '[{"config": {}}]']):
+        assert not plot.is_fineweb_edu(a_log_dir(tmp_path / f"bad{i}", text)), text
+        assert "run.json: not a run.json list of entries" in capsys.readouterr().err, text
+
+
+def test_smooth_has_no_lag_on_a_ramp():
+    """Issue: the smoothed train curve lagged the loss by ~10 steps. A centered average returns a
+    straight line as it is, to its ends; a noisy one, near the line (the ends, averaged over fewer
+    values, aside) and nearer than the raw values."""
+    ramp = [10 - 0.05 * i for i in range(100)]
+    assert plot.smooth(ramp) == pytest.approx(ramp)
+    rng = random.Random(0)
+    noisy = [v + rng.gauss(0, 0.3) for v in ramp]
+    error = [abs(s - v) for s, v in zip(plot.smooth(noisy), ramp)][10:-10]
+    raw_error = [abs(n - v) for n, v in zip(noisy, ramp)][10:-10]
+    assert max(error) < 0.25 and sum(error) < sum(raw_error) / 3
+
+
 def test_smooth_passes_over_nan():
-    """The bias-corrected moving average, brute force: each finite value weighted (1 - a) a^age,
-    over the sum of the weights; a nan (a skipped step) is left out, not spread."""
-    values = [10.0, 9.0, float("nan"), 7.0, 6.5, 6.0]
-    a, finite = 0.9, []
-    expected = []
-    for v in values:
-        finite += [v] if v == v else []
-        w = [(1 - a) * a ** (len(finite) - 1 - j) for j in range(len(finite))]
-        expected.append(sum(wi * x for wi, x in zip(w, finite)) / sum(w))
-    assert plot.smooth(values, a) == pytest.approx(expected)
+    """A skipped step logs nan: it stays a nan (a gap) and is left out of its neighbours' averages,
+    in pairs, so a straight line stays straight beside it; the other values stay finite."""
+    ramp = [10 - 0.05 * i for i in range(100)]
+    values = list(ramp)
+    for i in (0, 30, 31, 60, 99):
+        values[i] = float("nan")
+    smoothed = plot.smooth(values)
+    assert [i for i, s in enumerate(smoothed) if not math.isfinite(s)] == [0, 30, 31, 60, 99]
+    assert [s for s in smoothed if s == s] == pytest.approx([v for v in values if v == v])
 
 
 def test_plot_errors(tmp_path):
@@ -256,6 +307,9 @@ def test_sample_is_seeded_for_a_checkpoint(run, tmp_path):
     (tmp_path / "prompt.txt").write_text("Once upon a time")
     d = tool(*args, "--prompt", f"FILE:{tmp_path / 'prompt.txt'}", "--num_samples", "1")
     assert d.returncode == 0 and d.stdout.split("\n")[1].startswith("Once upon a time")
+    e = tool(*[str(log_dir) if arg == ckpt else arg for arg in args])  # issue 31.8: the log_dir: its newest checkpoint
+    assert e.returncode == 0 and e.stdout == a.stdout and e.stderr.strip().splitlines()[0] == (
+        f"{log_dir}: its newest checkpoint, {ckpt}"), e.stderr
 
 
 def test_greedy_sample_matches_hf_generate(hf_dir, capsys, enc):
@@ -319,6 +373,13 @@ def test_sample_errors(tmp_path):
     r = tool("sample.py", "--model", "gpt2", "--prompt", f"FILE:{tmp_path / 'nope.txt'}")
     assert r.returncode == 1 and f"--prompt FILE:{tmp_path / 'nope.txt'}: cannot read it" in r.stderr
     assert tool("sample.py", "--help").returncode == 0
+    (tmp_path / "empty").mkdir()  # neither a HF folder nor a log_dir
+    r = tool("sample.py", "--model", str(tmp_path / "empty"))
+    assert r.returncode == 1 and r.stderr.strip() == (f"error: {tmp_path / 'empty'}: neither a HF model folder (no "
+                                                      f"config.json) nor a run's log_dir (no model_NNNNN.pt)")
+    r = tool("sample.py", "--model", "gpt2", "--device", "cuda:7")  # a device that is not here: one line
+    assert r.returncode == 1 and r.stderr.startswith("error: device='cuda:7' is not on this machine") and \
+        len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 # --- export_hf.py ----------------------------------------------------------------------------------
