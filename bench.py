@@ -13,7 +13,7 @@ Takes the trainer's configuration (same constants, files and overrides; dtype an
 "auto" resolved as the trainer resolves them), runs bench_warmup + bench_steps optimizer steps of
 train_gpt2.train_step on random tokens (no disk I/O), and prints tok/s, model FLOPs per token,
 the achieved FLOP/s as a fraction of the device's matmul rate in the same dtype (measured in this
-run), and peak memory. Then, unless --bench_baseline=False, the same steps as build-nanogpt takes
+run; not on a CPU, where no peak holds: hardware.peak_flops), and peak memory. Then, unless --bench_baseline=False, the same steps as build-nanogpt takes
 them (full logits, F.cross_entropy, glibc's default memory handling) on the same model, dtype and
 batch as the baseline, and both ratios: time per step and peak memory. Each of the two runs in a
 process of its own (a clean heap, its own peak). total_batch_size must be a multiple of B*T.
@@ -243,7 +243,7 @@ def bench_step(c, argv, device):
     config = GPTConfig.from_dict(c)
     tok_per_s = c['total_batch_size'] / ours['dt']
     fpt = flops_per_token(config, c['T'])
-    peak_flops = matmul_flops(device, c['dtype'])
+    peak_flops = matmul_flops(device, c['dtype']) if device != 'cpu' else None  # on a CPU no peak holds (hardware.py)
     mem_what = "max allocated by torch" if device.startswith('cuda') else "peak RSS of the process"
     print(f"model: {ours['params'] / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
           f"n_embd={config.n_embd} vocab={config.vocab_size}")
@@ -261,8 +261,9 @@ def bench_step(c, argv, device):
     print(f"tok/s: {tok_per_s:,.0f}")
     print(f"model FLOPs/token: {fpt / 1e6:.1f} MFLOP")
     print(f"achieved: {tok_per_s * fpt / 1e12:.3f} TFLOP/s")
-    print(f"device matmul ({c['dtype']}): {peak_flops / 1e12:.3f} TFLOP/s, measured now")
-    print(f"MFU vs that matmul: {tok_per_s * fpt / peak_flops:.3f}")
+    if peak_flops:
+        print(f"device matmul ({c['dtype']}): {peak_flops / 1e12:.3f} TFLOP/s, measured now")
+        print(f"MFU vs that matmul: {tok_per_s * fpt / peak_flops:.3f}")
     print(f"peak memory: {ours['peak']:,.0f} MiB ({mem_what})")
     if base is not None:
         print(f"baseline, build-nanogpt's step (full logits, F.cross_entropy, default malloc), measured now: "
@@ -425,8 +426,10 @@ def bench_start(c):
         times = []
         for _ in range(c['bench_steps']):
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, *cmd], cwd=root, capture_output=True)
+            r = subprocess.run([sys.executable, *cmd], cwd=root, capture_output=True, text=True)
             times.append(time.perf_counter() - t0)
+            if r.returncode != (1 if name == "a typo" else 0):  # a crash would be timed as an answer
+                sys.exit(f"error: {name} exited {r.returncode}:\n{r.stderr[-2000:]}")
         best[name] = min(times)
     print(f"first answer, best of {c['bench_steps']} processes, cpu: {torch.backends.cpu.get_cpu_capability()}")
     for name, t in best.items():

@@ -396,11 +396,11 @@ def stop_after_bad_steps(state, config, keep_checkpoints):
 
 
 _lock_file = None  # rank 0's open run.lock: the lock lasts as long as the process
-_made = ()  # what taking the lock created: log_dir and/or its run.lock (release_log_dir removes them)
+_made = []  # what taking the lock created, deepest first: run.lock, log_dir and its parents (release_log_dir)
 
 
 def claim_log_dir(log_dir):
-    """Every rank, first thing: rank 0 takes log_dir/run.lock (lock_log_dir); a UserError on every
+    """Every rank, before log_dir is read: rank 0 takes log_dir/run.lock (lock_log_dir); a UserError on every
     rank when another run holds it."""
     busy = lock_log_dir(log_dir) if parallel.rank() == 0 else ''
     parallel.wait_for_all()  # rank 0's work alone, however long a shared file system takes
@@ -409,7 +409,7 @@ def claim_log_dir(log_dir):
 
 
 def lock_log_dir(log_dir):
-    """Rank 0, first thing: take log_dir/run.lock for the life of this process. '' once taken; else
+    """Rank 0, before log_dir is read: take log_dir/run.lock for the life of this process. '' once taken; else
     one line naming the run that holds it. A POSIX record lock (fcntl.lockf): the kernel drops it
     when its process ends, however it ends (kill -9 too), so a dead run never blocks the next start;
     a forked child does not inherit it. On NFS the server's lock manager holds it for every node;
@@ -422,8 +422,12 @@ def lock_log_dir(log_dir):
     import time
     if _lock_file is not None:  # an earlier run in this process (tests); closing drops its lock
         _lock_file.close()
+        _lock_file = None
     path = os.path.join(log_dir, 'run.lock')
-    _made = tuple(p for p in (log_dir, path) if not os.path.exists(p))
+    _made, folder = [], os.path.abspath(log_dir)
+    while not os.path.exists(folder):  # the folders makedirs makes: log_dir, and parents it needs
+        _made, folder = _made + [folder], os.path.dirname(folder)
+    _made = [] if os.path.exists(path) else [os.path.abspath(path)] + _made
     os.makedirs(log_dir, exist_ok=True)
     f = open(path, 'a+')  # never truncated unless taken: the holder's line stays for the next one to read
     try:
@@ -446,17 +450,19 @@ def lock_log_dir(log_dir):
 
 
 def release_log_dir(log_dir, failed):
-    """Rank 0, as the run ends: a start that failed (a bad shard, a missing folder, out of memory
-    before the first step) removes the run.lock and the log_dir it made when nothing else was
-    written there, so that a corrected command starts clean and `ls` shows no empty run."""
+    """As the run ends (every rank calls it; rank 0 alone holds the lock): a start that failed
+    before writing anything in log_dir (no shard holds a step, a bad init_from) removes the run.lock
+    and the folders that taking it made, so that a corrected command starts clean and `ls` shows no
+    empty run. A folder something else was written in meanwhile stays."""
     global _lock_file
-    if not failed or _lock_file is None or os.path.join(log_dir, 'run.lock') not in _made:
+    if not failed or _lock_file is None or _made[:1] != [os.path.abspath(os.path.join(log_dir, 'run.lock'))]:
         return
     try:
         if os.listdir(log_dir) == ['run.lock']:
-            for path in reversed(_made):  # the lock file, then the folder it made
-                os.rmdir(path) if path == log_dir else os.remove(path)
-    except OSError:  # another launch opened the lock file meanwhile, or the folder went: leave it
+            os.remove(_made[0])
+            for folder in _made[1:]:  # log_dir, then the parents it needed, deepest first
+                os.rmdir(folder)  # fails unless empty: another run's folder stays
+    except OSError:
         pass
     _lock_file.close()
     _lock_file = None

@@ -31,6 +31,7 @@ NANOGPT_NAMES = {'learning_rate': 'max_lr', 'max_iters': 'max_steps', 'lr_decay_
                  'gradient_accumulation_steps': 'total_batch_size', 'eval_iters': 'val_tokens',
                  'sample_every': 'sample_interval', 'eval_every': 'eval_interval'}
 
+TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train_gpt2.py')  # where the constants live
 AUTO_OR = {'B': int}  # an "auto" default takes a bool (--compile=False) or a value of this type: --B=16
 
 
@@ -85,9 +86,6 @@ def parse_config(argv, defaults, doc=""):
                     set_key(key, value, arg)
     check_config(config)
     return config
-
-
-TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train_gpt2.py')  # where the constants live
 
 
 def constants_help(defaults):

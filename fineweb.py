@@ -36,7 +36,7 @@ import numpy as np
 
 from atomic import atomic_write
 from errors import UserError
-from shards import MANIFEST
+from shards import FINEWEB_EDU, MANIFEST
 from tokenizer import EOT, get_gpt2_encoding
 
 EXTENSIONS = ('.parquet', '.jsonl', '.txt')
@@ -208,8 +208,9 @@ def shard_prefix(args):
     hold (the trainer globs *_{split}_*.npy, so no '_' in it; the manifest names the dataset fully)."""
     if args.demo or is_local(args.dataset):
         return 'demo' if args.demo else 'local'
-    name = args.dataset.split('/')[-1].lower()
-    return 'edufineweb' if name == 'fineweb-edu' else ''.join(c for c in name if c.isalnum()) or 'data'
+    if args.dataset == FINEWEB_EDU:
+        return 'edufineweb'
+    return ''.join(c for c in args.dataset.split('/')[-1].lower() if c.isalnum()) or 'data'
 
 
 def shard_name(prefix, index):
@@ -292,7 +293,7 @@ def build(docs, out_dir, manifest, shard_size, max_tokens, num_proc):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--dataset', default='HuggingFaceFW/fineweb-edu',
+    p.add_argument('--dataset', default=FINEWEB_EDU,
                    help="HF dataset name, or local .parquet/.jsonl/.txt files: a file, a folder or a quoted glob "
                         "(default: %(default)s)")
     p.add_argument('--name', default='sample-10BT', help="HF dataset config: sample-10BT, sample-100BT, ... "

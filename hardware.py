@@ -26,19 +26,28 @@ PRECISIONS = ('float32', 'float16', 'bfloat16')  # from the least capable hardwa
 AUTOCAST_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 
-def pick_device(device):
-    """device, with "auto" made concrete: cuda > mps > cpu; one that is not here is a UserError
-    naming the devices there are (not CUDA's traceback from deep inside the first tensor moved)."""
+def pick_device(device, local_rank=None):
+    """The device to compute on: "auto" made concrete (cuda > mps > cpu), a GPU with its index
+    (cuda:0; under torchrun, local_rank given, cuda:LOCAL_RANK whatever was asked: one GPU per
+    process), checked: a malformed name or a device that is not here is a UserError naming the
+    devices there are, not CUDA's traceback from deep inside the first tensor moved."""
     cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
+    asked = device
     if device == 'auto':
-        return 'cuda' if cuda else 'mps' if mps else 'cpu'
-    kind, index = torch.device(device).type, torch.device(device).index
+        device = 'cuda' if cuda else 'mps' if mps else 'cpu'
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise UserError(f"device={device!r}: expected auto, cpu, cuda, cuda:N or mps") from None
+    if kind == 'cuda':  # set_device needs an index
+        device = f'cuda:{local_rank}' if local_rank is not None else 'cuda:0' if device == 'cuda' else device
     n_gpus = torch.cuda.device_count() if cuda else 0
-    if (kind == 'cuda' and (index or 0) >= n_gpus) or (kind == 'mps' and not mps):
+    if (kind == 'cuda' and torch.device(device).index >= n_gpus) or (kind == 'mps' and not mps):
         here = ['cpu'] + [f'cuda:{i}' for i in range(n_gpus)] + ['mps'] * mps
         why = (f"this torch {torch.__version__} is built without CUDA" if kind == 'cuda' and torch.version.cuda is None
-               else f"torch sees {n_gpus or 'no'} CUDA GPU{'s' * (n_gpus != 1)}" if kind == 'cuda' else "torch sees no Apple GPU")
-        raise UserError(f"device={device!r} is not on this machine ({why}); devices here: {', '.join(here)} "
+               else f"torch sees {n_gpus or 'no'} CUDA GPU{'s' * (n_gpus > 1)}" if kind == 'cuda' else "torch sees no Apple GPU")
+        torchrun = f" ({device} for torchrun's LOCAL_RANK={local_rank})" if kind == 'cuda' and local_rank is not None else ""
+        raise UserError(f"device={asked!r}{torchrun} is not on this machine ({why}); devices here: {', '.join(here)} "
                         f"(device='auto' picks the best of them)")
     return device
 
@@ -150,7 +159,7 @@ def matmul_flops(device, dtype, n=None, reps=10):
 def peak_flops(device, dtype):
     """(FLOP/s, where from) for MFU: a known NVIDIA GPU's datasheet peak in bf16/fp16, else a matmul
     measured now (float32, other GPUs, Apple's); on a CPU (None, why): no peak there holds still."""
-    if device == 'cpu':  # a matmul timed at start varied 5x between runs on one 2-core machine: MFUs of 20-292%
+    if device == 'cpu':  # a matmul timed at start moved 5x between runs on one machine (issue 31): MFUs over 100%
         return None, ("not shown on a CPU: its matmul rate moves with the load, the threads and the "
                       "shapes, so no peak holds; tok/sec is the figure to compare")
     if device.startswith('cuda') and dtype in AUTOCAST_DTYPES:

@@ -298,7 +298,7 @@ def main(argv=None):
     p.add_argument('--limit', type=int, default=0, help="score only the first N examples")
     p.add_argument('--batch_examples', type=int, default=32, help="examples per forward pass (default: %(default)s)")
     args = p.parse_args(argv)
-    from checkpoint import model_in  # the script's own need: the trainer imports this file too
+    from checkpoint import model_in  # here, not atop: `import hellaswag` stays without parallel.py (benchmarks.md)
     try:
         device = pick_device(args.device)
         examples = list(iterate_examples(args.split, args.file))

@@ -6,12 +6,13 @@ HellaSwag acc_norm; a panel appears when some log has its lines.
 
 Reads this trainer's log_dir/log.txt and build-nanogpt's (the same "{step} {kind} {value}" lines:
 train, val, bpb, hella; skip and overflow lines are ignored). Several folders are overlaid, each
-labelled by its folder name. The smoothed train curve is a centered moving average: it follows the
-loss without lagging behind it. Reference lines: OpenAI's GPT-2 124M val loss on FineWeb-Edu
-(3.2924), drawn only when some run's val loss is FineWeb-Edu's too (its run.json's dataset, or a
-build-nanogpt log dir, which has no run.json): on other data the number means nothing; and HellaSwag
-acc_norm, the same eval whatever the training data: GPT-2 124M 0.2955 with this project's scorer
-(docs/hellaswag.md), GPT-3 124M 0.337 (the GPT-3 paper). Headless: writes the PNG, needs no display.
+labelled by its folder name. The smoothed train curve is a local straight-line fit: it follows the
+loss without lagging behind it, to the last step. Reference lines: OpenAI's GPT-2 124M val loss on
+FineWeb-Edu (3.2924), drawn only when some run's val loss is FineWeb-Edu's too (its run.json's
+dataset, or a build-nanogpt log dir, which has no run.json): on other data the number means nothing;
+and HellaSwag acc_norm, the same eval whatever the training data: GPT-2 124M 0.2955 with this
+project's scorer (docs/hellaswag.md), GPT-3 124M 0.337 (the GPT-3 paper). Headless: writes the PNG,
+needs no display.
 """
 import argparse
 import json
@@ -21,6 +22,7 @@ import sys
 
 from atomic import atomic_write
 from errors import UserError
+from shards import is_fineweb_edu as is_fineweb_edu_data
 
 KINDS = ('train', 'val', 'bpb', 'hella', 'epoch')  # epoch: '{step} epoch {n}' where epoch n begins
 IGNORED = ('skip', 'overflow')  # the trainer's rare event lines: not curves
@@ -58,18 +60,15 @@ def read_log(log_dir):
 
 def is_fineweb_edu(log_dir):
     """Whether log_dir's val loss is measured on FineWeb-Edu, as GPT-2's reference val loss is: the
-    dataset of run.json's last entry (its latest start); where that is missing or None (an older
-    run.json, or shards without fineweb.py's manifest), whether data_root's name says fineweb. No
-    run.json: a build-nanogpt log dir, which trains on FineWeb-Edu only. An unreadable run.json: no."""
+    dataset of run.json's last entry (its latest start), or its data_root's name (shards.is_fineweb_edu).
+    No run.json: a build-nanogpt log dir, which trains on FineWeb-Edu only. An unreadable run.json: no."""
     path = os.path.join(log_dir, 'run.json')
     if not os.path.isfile(path):
         return True
     try:
         with open(path) as f:
             last = json.load(f)[-1]
-        if last.get('dataset') is not None:
-            return last['dataset'].startswith('HuggingFaceFW/fineweb-edu')
-        return 'fineweb' in os.path.basename(os.path.normpath(last['config']['data_root'])).lower()
+        return is_fineweb_edu_data(last.get('dataset'), last['config']['data_root'])
     except (OSError, ValueError, LookupError, TypeError, AttributeError) as e:  # edited by hand, or not a run's
         print(f"warning: {path}: not a run.json list of entries ({type(e).__name__}: {e}); its val loss is "
               f"not taken for FineWeb-Edu's", file=sys.stderr)
@@ -77,18 +76,20 @@ def is_fineweb_edu(log_dir):
 
 
 def smooth(values, half=10):
-    """Centered moving average: each value with up to `half` neighbours on each side, the window
-    shrinking at the ends to stay centered, so the curve does not lag (an exponential average lags
-    by about its length: above a falling loss by its slope times that). Neighbours come in pairs at
-    the same distance, both finite, so a straight line stays one beside a skipped step's nan; a nan
-    stays nan, a gap in the smoothed curve as in the raw one."""
+    """A local straight-line fit: each value becomes the value at its step of the least-squares line
+    through the finite values up to `half` steps either side (one side only at the ends). It does
+    not lag, as an exponential average does (by about its length: above a falling loss by its
+    slope times that), a straight stretch comes back as it is, and the newest value is smoothed
+    too. A non-finite value (a skipped step's nan) stays nan, a gap as in the raw curve, and is
+    left out of its neighbours' fits."""
     out = []
     for i, v in enumerate(values):
-        window = [v]
-        for d in range(1, min(half, i, len(values) - 1 - i) + 1):
-            if math.isfinite(values[i - d]) and math.isfinite(values[i + d]):
-                window += [values[i - d], values[i + d]]
-        out.append(sum(window) / len(window) if math.isfinite(v) else math.nan)
+        near = [(j - i, values[j]) for j in range(max(0, i - half), min(len(values), i + half + 1))
+                if math.isfinite(values[j])]
+        mx, my = sum(x for x, _ in near) / len(near), sum(y for _, y in near) / len(near)
+        sxx = sum((x - mx) ** 2 for x, _ in near)
+        slope = sum((x - mx) * (y - my) for x, y in near) / sxx if sxx else 0.0
+        out.append(my - slope * mx if math.isfinite(v) else math.nan)  # the line at x = 0, this step
     return out
 
 

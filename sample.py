@@ -80,7 +80,7 @@ def main(argv=None):
                 prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
             sys.exit(f"error: --prompt {args.prompt}: cannot read it ({e})")
-    from checkpoint import model_in  # the script's own need: the trainer imports this file too
+    from checkpoint import model_in  # here, not atop: `import sample` (the trainer's) stays without parallel.py
     try:
         device = pick_device(args.device)
         dtype, _ = resolve_dtype(args.dtype, device)
@@ -88,7 +88,7 @@ def main(argv=None):
         enc = get_gpt2_encoding()
         idx = torch.tensor([encode_prompt(enc, prompt, model)], dtype=torch.long, device=device)
         generator = torch.Generator(device=device).manual_seed(args.seed)
-    except (UserError, ValueError, OSError, RuntimeError, AssertionError) as e:  # AssertionError: torch without CUDA
+    except (UserError, ValueError, OSError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     for i in range(args.num_samples):  # one at a time: each is printed when it is done
         with autocast(device, dtype):

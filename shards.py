@@ -14,6 +14,7 @@ from errors import UserError
 from tokenizer import EOT
 
 MANIFEST = 'fineweb_manifest.json'  # written by fineweb.py: its arguments, its shards, whether it finished
+FINEWEB_EDU = 'HuggingFaceFW/fineweb-edu'  # the data GPT-2's reference val loss (plot.py) is measured on
 
 
 def find_shards(data_root, split):
@@ -40,10 +41,12 @@ def find_shards(data_root, split):
     return shards
 
 
-def usable_shards(data_root, split, step_tokens, shuffle, say):
-    """(paths, lengths) of the split's shards that hold one step of step_tokens + 1 tokens (shuffled:
-    less the cut first document, never read). A shorter one, like the remainder fineweb.py writes
-    last, is left out (say: print which); none long enough is an error now, not hours into a run."""
+def checked_shards(data_root, split, step_tokens, shuffle, say):
+    """(paths, lengths) of the split's shards (shuffled: less the cut first document, never read),
+    checked now, not hours into a run: one must hold a step of step_tokens + 1 tokens. A shorter one,
+    like the remainder fineweb.py writes last, keeps its place in the list (a checkpoint's shard
+    number means the same whatever total_batch_size) and is passed over when its turn comes (say:
+    print which)."""
     paths = find_shards(data_root, split)
     lengths = [len(t) - (cut_tail(t) if shuffle else 0) for t in map(open_shard, paths)]
     less = ' less its cut first document' * shuffle
@@ -54,8 +57,8 @@ def usable_shards(data_root, split, step_tokens, shuffle, say):
                         f"total_batch_size, or make longer shards (fineweb.py --shard_size)")
     for path, n in zip(paths, lengths):
         if n < step_tokens + 1 and say:
-            print(f"{path}: {n} tokens{less}, fewer than one step of {step_tokens + 1}: left out")
-    return [p for p, n in zip(paths, lengths) if n > step_tokens], [n for n in lengths if n > step_tokens]
+            print(f"{path}: {n} tokens{less}, fewer than one step of {step_tokens + 1}: passed over")
+    return paths, lengths
 
 
 def dataset_of(data_root):
@@ -69,7 +72,16 @@ def dataset_of(data_root):
         return None
     if 'demo' in args:
         return 'demo: the Python standard library'
-    return f"{args['dataset']} {args['name']}" if 'dataset' in args else 'local files'
+    return f"{args['dataset']} {args.get('name') or ''}".strip() if 'dataset' in args else 'local files'
+
+
+def is_fineweb_edu(dataset, data_root):
+    """Whether a run's data is FineWeb-Edu: dataset as dataset_of says; without one (shards with no
+    manifest, like build-nanogpt's, or a run.json older than the key), data_root named as its folders are."""
+    if dataset is not None:
+        return dataset.split(' ')[0] == FINEWEB_EDU
+    name = os.path.basename(os.path.normpath(data_root)).lower()
+    return 'fineweb' in name and 'edu' in name
 
 
 def open_shard(path, vocab_size=None):

@@ -35,7 +35,7 @@ from parallel import (agree, clip_grad_norm, end_process_group, rank as process_
                       world_size, wrap_ddp, zero_grad)
 from sample import training_samples
 from schedule import get_lr
-from shards import ShuffledDocuments, find_shards, load_val_tokens, open_shard, usable_shards
+from shards import ShuffledDocuments, checked_shards, find_shards, load_val_tokens, open_shard
 from tokenizer import token_byte_lengths, utf8_bytes
 
 # -----------------------------------------------------------------------------
@@ -109,9 +109,8 @@ def setup_device(device, cpu_reuse_memory=False, collective_timeout=DEFAULTS['co
     rank, local_rank, world = 0, 0, 1
     if ddp:
         rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
-    device = pick_device(device)
-    if device.startswith('cuda'):  # torchrun: one GPU per process, whatever was asked; set_device needs an index
-        device = f'cuda:{local_rank}' if ddp else 'cuda:0' if device == 'cuda' else device
+    device = pick_device(device, local_rank if ddp else None)  # torchrun: cuda:LOCAL_RANK, one GPU per process
+    if device.startswith('cuda'):
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision('high')  # TF32 for the float32 matmuls
     if device == 'cpu' and cpu_reuse_memory:
@@ -139,9 +138,10 @@ class DataLoaderLite:
         self.B, self.T, self.vocab_size, self.shuffle, self.seed = B, T, vocab_size, shuffle, seed
         self.rank, self.world, self.accum = process_rank, num_processes, accum_steps
         self.step_tokens = B * T * num_processes * accum_steps
-        self.shards, lengths = usable_shards(data_root, split, self.step_tokens, shuffle, process_rank == 0)
-        self.n_tokens, self.steps_per_epoch = sum(lengths), sum((n - 1) // self.step_tokens for n in lengths)
+        self.shards, self.lengths = checked_shards(data_root, split, self.step_tokens, shuffle, process_rank == 0)
+        self.n_tokens, self.steps_per_epoch = sum(self.lengths), sum((n - 1) // self.step_tokens for n in self.lengths)
         self.open(0, 0, 0)
+        self.next_shard_if_short()  # the first may be a shard too short for one step
 
     def open(self, epoch, shard, pos):
         """Shard number `shard` in epoch's order of the shards, from token pos of its stream."""
@@ -171,10 +171,13 @@ class DataLoaderLite:
                             f"that shard of data_root is {self.state()['file']!r}: resume with the same data_root")
         self.next_shard_if_short()  # total_batch_size may have grown
 
-    def next_shard_if_short(self):
-        if self.pos + self.step_tokens + 1 > len(self.tokens):  # no whole step left: the next shard, or epoch
+    def next_shard_if_short(self):  # past shards shorter than one step: checked_shards made sure one is longer
+        while self.pos + self.step_tokens + 1 > len(self.tokens):  # no whole step left: the next shard, or epoch
             last = self.shard + 1 == len(self.shards)
             self.open(self.epoch + last, 0 if last else self.shard + 1, 0)
+
+    def epoch_begins(self):  # epoch > 0 and no step read from it: the shards before this one hold none
+        return self.epoch > 0 and self.pos == 0 and all(self.lengths[k] <= self.step_tokens for k in self.order[:self.shard])
 
     def next_batch(self):
         B, T = self.B, self.T
@@ -300,8 +303,8 @@ def main(argv=None):
         config = choose_precision(config, device)  # the same dtype on every rank
         dtype, compile = config['dtype'], config['compile']
         code = run()
-    except UserError as e:
-        error = f"error: {e}" if master else ''  # one line on stderr, exit code 1
+    except UserError as e:  # one line on stderr (rank 0's, or a rank's own before the ranks can agree), exit code 1
+        error = f"error: {e}" if master or not dist.is_initialized() else ''  # e.g. a GPU this rank does not have
     except RuntimeError as e:  # a collective that gave up waiting (a rank stuck or gone), or out of memory
         if not (error := gave_up(e, rank, collective_timeout) or memory.out_of_memory(e, B)):
             raise
@@ -414,7 +417,7 @@ def train(state, val_data, hella_data, grad_accum_steps):
         if last_step:
             return 0
 
-        if master and state.loader.epoch > 0 and state.loader.shard == state.loader.pos == 0:  # a new epoch starts
+        if master and state.loader.epoch_begins():
             print(f"step {step:5d} | epoch {state.loader.epoch} begins ({'a new order' if state.loader.shuffle else 'in order'})")
             run_record.log(log_dir, f"{step} epoch {state.loader.epoch}")
         t0 = time.time()

@@ -3,6 +3,7 @@ import math
 import os
 
 import pytest
+import torch
 
 import train_gpt2
 from conftest import ROOT, run_script
@@ -141,20 +142,41 @@ def test_first_answer_imports_only_what_every_run_needs():
                                                      "max_bad_steps, warmup_steps"), r.stderr
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without a GPU")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", "mps"])
 def test_a_device_that_is_not_here_is_one_line(tmp_path, device):
     """Issue 31.5: --device=cuda on a machine without one: one line naming the devices there are,
     and nothing made (no log_dir)."""
-    import torch
     if device == "mps" and torch.backends.mps.is_available():
         pytest.skip("this machine has an Apple GPU")
     r = run_script([f"--device={device}", f"--log_dir={tmp_path / 'log'}"])
     assert r.returncode == 1 and not (tmp_path / "log").exists()
     import re
+    here = "cpu, mps" if torch.backends.mps.is_available() else "cpu"
     assert len(r.stderr.strip().splitlines()) == 1 and re.fullmatch(
         rf"error: device={device!r} is not on this machine \((this torch \S+ is built without CUDA|torch sees no CUDA "
-        rf"GPU|torch sees no Apple GPU)\); devices here: cpu \(device='auto' picks the best of them\)", r.stderr.strip()), r.stderr
+        rf"GPU|torch sees no Apple GPU)\); devices here: {here} \(device='auto' picks the best of them\)",
+        r.stderr.strip()), r.stderr
+
+
+def test_gpus_are_checked_as_torchrun_maps_them(monkeypatch):
+    """Issue 31.5 on a 2-GPU machine (torch's answers stood in for): cuda is cuda:0, torchrun's rank
+    takes cuda:LOCAL_RANK whatever was asked (so device="cuda:1" on a rank that sees one GPU is
+    fine), and a GPU that is not there is one line naming the ones that are."""
+    import hardware
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert hardware.pick_device("cuda") == "cuda:0" and hardware.pick_device("auto") == "cuda:0"
+    assert hardware.pick_device("cuda:1", local_rank=0) == "cuda:0" and hardware.pick_device("cuda:1") == "cuda:1"
+    assert hardware.pick_device("cpu", local_rank=5) == "cpu"  # CPU processes share the CPU
+    with pytest.raises(UserError, match=r"^device='cuda' \(cuda:2 for torchrun's LOCAL_RANK=2\) is not on this "
+                                        r"machine \(torch sees 2 CUDA GPUs\); devices here: cpu, cuda:0, cuda:1"):
+        hardware.pick_device("cuda", local_rank=2)  # --nproc_per_node=3 on 2 GPUs
+    with pytest.raises(UserError, match=r"^device='cuda:2' is not on this machine \(torch sees 2 CUDA GPUs\)"):
+        hardware.pick_device("cuda:2")
+    with pytest.raises(UserError, match=r"^device='gpu': expected auto, cpu, cuda, cuda:N or mps$"):
+        hardware.pick_device("gpu")
 
 
 def test_a_failed_start_leaves_nothing(tmp_path):
@@ -162,14 +184,14 @@ def test_a_failed_start_leaves_nothing(tmp_path):
     and prints no config; a log_dir that was there keeps what it held."""
     from conftest import TINY, random_shards
     data = random_shards(tmp_path / "data", 0, 200, [200])
-    log_dir = tmp_path / "log_nope"
+    log_dir = tmp_path / "runs" / "log_nope"  # and its parent: makedirs makes both
     for args in (["--data_root=nope"],  # found missing before log_dir is made
                  [f"--data_root={data}", "--T=64"],  # longer than block_size=32: found once the model is built
                  [f"--data_root={data}", "--T=16", "--B=2", "--total_batch_size=256"]):  # no shard holds a step
         r = run_script([*TINY, *args, f"--log_dir={log_dir}"])
         assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
-        assert not log_dir.exists() and "config:" not in r.stdout, (args, r.stdout)
-    log_dir.mkdir()
+        assert not (tmp_path / "runs").exists() and "config:" not in r.stdout, (args, r.stdout)
+    log_dir.mkdir(parents=True)
     (log_dir / "notes.txt").write_text("mine")
     r = run_script([*TINY, f"--data_root={data}", "--T=64", f"--log_dir={log_dir}"])
     assert r.returncode == 1 and sorted(os.listdir(log_dir)) == ["notes.txt", "run.lock"]

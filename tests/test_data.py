@@ -1,5 +1,3 @@
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -79,14 +77,43 @@ def test_error_paths(tmp_path):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
     np.save(tmp_path / "x_train_000000.npy", np.arange(100, dtype=np.uint16))
     write_shards(tmp_path, "train", [np.arange(16)], prefix="y")  # sorts after x_: the short one (a remainder)
-    loader = DataLoaderLite(B, T, 0, 2, "train", str(tmp_path))  # a step is 16 + 1 tokens: y_ is left out
-    assert [os.path.basename(p) for p in loader.shards] == ["x_train_000000.npy"] and loader.steps_per_epoch == 6
+    assert DataLoaderLite(B, T, 0, 2, "train", str(tmp_path)).steps_per_epoch == 6  # a step: 16 + 1 tokens
     with pytest.raises(UserError, match=r"no train shard in .* holds one step of total_batch_size \+ 1 = 257 tokens "
                                         r"\(the longest, .*x_train_000000\.npy: 100 tokens\): lower total_batch_size"):
         DataLoaderLite(B, T, 0, 2, "train", str(tmp_path), accum_steps=16)
     (tmp_path / "z_train_000000.npy").write_bytes(b"not numpy")
     with pytest.raises(UserError, match=r"z_train_000000\.npy: not a readable \.npy array"):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_shards_shorter_than_a_step_are_passed_over(tmp_path, shuffle, capsys):
+    """A shard too short for one step (fineweb.py's remainder; here two, in the middle) is passed
+    over wherever its turn comes, keeping its place in the list: a checkpoint's shard number means
+    the same file whatever total_batch_size, so a resume with a larger one finds its shard in the
+    same order. Brute force: no step reads a short shard's tokens (ids 2000 and up here)."""
+    from tokenizer import EOT
+    rng = np.random.default_rng(0)
+    doc = lambda n, low: np.concatenate(([EOT], rng.integers(low, low + 1000, n - 1)))  # one document of n tokens
+    write_shards(tmp_path, "train", [np.concatenate([doc(8, 0) for _ in range(9)]), doc(10, 2000),
+                                     np.concatenate([doc(8, 0) for _ in range(7)]), doc(12, 2000),
+                                     np.concatenate([doc(8, 0) for _ in range(11)])])  # 72, 10, 56, 12, 88 tokens
+    loader = DataLoaderLite(B, T, 0, 2, "train", str(tmp_path), shuffle=shuffle)  # steps of 16 tokens
+    assert capsys.readouterr().out.count("fewer than one step of 17: passed over") == 2
+    per_epoch = loader.steps_per_epoch
+    assert per_epoch == 71 // 16 + 55 // 16 + 87 // 16  # the short ones hold none (each shard begins a document)
+    begins, shards_read = [], set()
+    for step in range(3 * per_epoch):  # three epochs, each in an order of its own when shuffled
+        begins.append(loader.epoch_begins())
+        shards_read.add(int(loader.order[loader.shard]))
+        x, y = loader.next_batch()  # rank 0's chunk of the step
+        assert bool(((x < 1000) | (x == EOT)).all()), (step, x)
+    assert shards_read == {0, 2, 4} and [i for i, b in enumerate(begins) if b] == [per_epoch, 2 * per_epoch]
+    for _ in range(per_epoch + 2):  # into epoch 3
+        loader.next_batch()
+    grown = DataLoaderLite(B, T, 0, 2, "train", str(tmp_path), accum_steps=2, shuffle=shuffle)  # 32-token steps
+    grown.load_state(loader.state(), "model_00042.pt")
+    assert (grown.epoch, list(grown.order)) == (loader.epoch, list(loader.order))  # the same draw over all 5
 
 
 def test_unfinished_fineweb_output_is_refused(tmp_path):

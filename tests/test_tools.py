@@ -234,6 +234,9 @@ def test_plot_draws_gpt2_val_loss_only_over_fineweb_edu(tmp_path, capsys):
     assert plot.is_fineweb_edu(a_log_dir(tmp_path / "no_manifest", [dict(entry, dataset=None)]))
     assert not plot.is_fineweb_edu(a_log_dir(tmp_path / "local", [dict(entry, dataset="local files")]))
     assert not plot.is_fineweb_edu(a_log_dir(tmp_path / "old_stdlib", [{"config": {"data_root": "stdlib"}}]))
+    assert not plot.is_fineweb_edu(a_log_dir(tmp_path / "fineweb", [{"config": {"data_root": "fineweb10B"}}]))  # not edu
+    assert not plot.is_fineweb_edu(a_log_dir(tmp_path / "edu_score", [dict(entry, dataset="HuggingFaceFW/fineweb-edu"
+                                                                                    "-score-2 default")]))
     assert not plot.is_fineweb_edu(a_log_dir(tmp_path / "then_demo", [
         {"config": {"data_root": "a"}, "dataset": "HuggingFaceFW/fineweb-edu sample-10BT"},
         {"config": {"data_root": "b"}, "dataset": "demo: the Python standard library"}]))
@@ -244,21 +247,22 @@ def test_plot_draws_gpt2_val_loss_only_over_fineweb_edu(tmp_path, capsys):
 
 
 def test_smooth_has_no_lag_on_a_ramp():
-    """Issue: the smoothed train curve lagged the loss by ~10 steps. A centered average returns a
-    straight line as it is, to its ends; a noisy one, near the line (the ends, averaged over fewer
-    values, aside) and nearer than the raw values."""
+    """Issue 31.7: the smoothed train curve lagged the loss by ~10 steps. A local line fit returns a
+    straight line as it is, to its ends; a noisy one near the line and nearer than the raw values,
+    in the middle and over the last 10 steps (the newest loss, the one read most)."""
     ramp = [10 - 0.05 * i for i in range(100)]
     assert plot.smooth(ramp) == pytest.approx(ramp)
     rng = random.Random(0)
     noisy = [v + rng.gauss(0, 0.3) for v in ramp]
-    error = [abs(s - v) for s, v in zip(plot.smooth(noisy), ramp)][10:-10]
-    raw_error = [abs(n - v) for n, v in zip(noisy, ramp)][10:-10]
-    assert max(error) < 0.25 and sum(error) < sum(raw_error) / 3
+    error = [abs(s - v) for s, v in zip(plot.smooth(noisy), ramp)]
+    raw_error = [abs(n - v) for n, v in zip(noisy, ramp)]
+    assert max(error[10:-10]) < 0.25 and sum(error[10:-10]) < sum(raw_error[10:-10]) / 3
+    assert max(error[-10:]) < 0.25 and sum(error[-10:]) < sum(raw_error[-10:]) / 2
 
 
 def test_smooth_passes_over_nan():
-    """A skipped step logs nan: it stays a nan (a gap) and is left out of its neighbours' averages,
-    in pairs, so a straight line stays straight beside it; the other values stay finite."""
+    """A skipped step logs nan: it stays a nan (a gap) and is left out of its neighbours' fits, so a
+    straight line stays straight beside it; the other values stay finite."""
     ramp = [10 - 0.05 * i for i in range(100)]
     values = list(ramp)
     for i in (0, 30, 31, 60, 99):
@@ -377,8 +381,9 @@ def test_sample_errors(tmp_path):
     r = tool("sample.py", "--model", str(tmp_path / "empty"))
     assert r.returncode == 1 and r.stderr.strip() == (f"error: {tmp_path / 'empty'}: neither a HF model folder (no "
                                                       f"config.json) nor a run's log_dir (no model_NNNNN.pt)")
-    r = tool("sample.py", "--model", "gpt2", "--device", "cuda:7")  # a device that is not here: one line
-    assert r.returncode == 1 and r.stderr.startswith("error: device='cuda:7' is not on this machine") and \
+    gpu = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU here: a device that is not here is one line
+    r = tool("sample.py", "--model", "gpt2", "--device", gpu)
+    assert r.returncode == 1 and r.stderr.startswith(f"error: device='{gpu}' is not on this machine") and \
         len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
