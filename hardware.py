@@ -26,6 +26,16 @@ PRECISIONS = ('float32', 'float16', 'bfloat16')  # from the least capable hardwa
 AUTOCAST_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 
+def device_type(device):
+    """'cpu', 'cuda', 'mps', ... of a device name; a malformed one is a UserError naming it."""
+    if isinstance(device, str):
+        try:
+            return torch.device(device).type
+        except RuntimeError:
+            pass
+    raise UserError(f"device must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
+
+
 def pick_device(device, local_rank=None):
     """The device to compute on: "auto" made concrete (cuda > mps > cpu), a GPU with its index
     (cuda:0; under torchrun, local_rank given, cuda:LOCAL_RANK whatever was asked: one GPU per
@@ -35,10 +45,7 @@ def pick_device(device, local_rank=None):
     asked = device
     if device == 'auto':
         device = 'cuda' if cuda else 'mps' if mps else 'cpu'
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError):
-        raise UserError(f"device={device!r}: expected auto, cpu, cuda, cuda:N or mps") from None
+    kind = device_type(device)
     if kind == 'cuda':  # set_device needs an index
         device = f'cuda:{local_rank}' if local_rank is not None else 'cuda:0' if device == 'cuda' else device
     n_gpus = torch.cuda.device_count() if cuda else 0

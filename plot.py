@@ -22,7 +22,7 @@ import sys
 
 from atomic import atomic_write
 from errors import UserError
-from shards import is_fineweb_edu as is_fineweb_edu_data
+from shards import is_fineweb_edu
 
 KINDS = ('train', 'val', 'bpb', 'hella', 'epoch')  # epoch: '{step} epoch {n}' where epoch n begins
 IGNORED = ('skip', 'overflow')  # the trainer's rare event lines: not curves
@@ -58,7 +58,7 @@ def read_log(log_dir):
     return curves
 
 
-def is_fineweb_edu(log_dir):
+def trained_on_fineweb_edu(log_dir):
     """Whether log_dir's val loss is measured on FineWeb-Edu, as GPT-2's reference val loss is: the
     dataset of run.json's last entry (its latest start), or its data_root's name (shards.is_fineweb_edu).
     No run.json: a build-nanogpt log dir, which trains on FineWeb-Edu only. An unreadable run.json: no."""
@@ -68,7 +68,7 @@ def is_fineweb_edu(log_dir):
     try:
         with open(path) as f:
             last = json.load(f)[-1]
-        return is_fineweb_edu_data(last.get('dataset'), last['config']['data_root'])
+        return is_fineweb_edu(last.get('dataset'), last['config']['data_root'])
     except (OSError, ValueError, LookupError, TypeError, AttributeError) as e:  # edited by hand, or not a run's
         print(f"warning: {path}: not a run.json list of entries ({type(e).__name__}: {e}); its val loss is "
               f"not taken for FineWeb-Edu's", file=sys.stderr)
@@ -96,7 +96,7 @@ def smooth(values, half=10):
 def plot(runs, out, fineweb_edu=False):
     """runs: [(label, curves)]; writes out (PNG): the loss panel, then val bits per byte and
     HellaSwag side by side when some run logged them. fineweb_edu: some run's val loss is on
-    FineWeb-Edu (is_fineweb_edu()), so GPT-2's val loss is drawn to compare with."""
+    FineWeb-Edu (trained_on_fineweb_edu), so GPT-2's val loss is drawn to compare with."""
     import matplotlib
     matplotlib.use('Agg')  # no display needed
     import matplotlib.pyplot as plt
@@ -152,7 +152,7 @@ def main(argv=None):
         runs = [(name, curves) for name, (_, curves) in zip(names, runs)]
     try:
         # a list, not a generator: each unreadable run.json gets its warning
-        panels = plot(runs, args.out, fineweb_edu=any([is_fineweb_edu(log_dir) for log_dir in args.log_dirs]))
+        panels = plot(runs, args.out, fineweb_edu=any([trained_on_fineweb_edu(d) for d in args.log_dirs]))
     except OSError as e:
         sys.exit(f"error: cannot write --out {args.out}: {e}")
     print(f"wrote {args.out}: {', '.join(label for label, _ in runs)}")

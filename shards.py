@@ -17,20 +17,29 @@ MANIFEST = 'fineweb_manifest.json'  # written by fineweb.py: its arguments, its 
 FINEWEB_EDU = 'HuggingFaceFW/fineweb-edu'  # the data GPT-2's reference val loss (plot.py) is measured on
 
 
+def read_manifest(data_root):
+    """fineweb.py's manifest of data_root (its arguments, its shards, whether it finished), or None
+    where there is none (build-nanogpt's shards, or others)."""
+    path = os.path.join(data_root, MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        manifest['complete'], manifest['args']  # what the trainer reads
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: unreadable ({e!r})") from None
+    return manifest
+
+
 def find_shards(data_root, split):
     if not os.path.isdir(data_root):
         raise UserError(f"data folder {data_root!r} not found: run `python fineweb.py` to make the token "
                         f"shards, or point data_root at them")
-    manifest = os.path.join(data_root, MANIFEST)
-    if os.path.isfile(manifest):
-        try:
-            with open(manifest) as f:
-                complete = json.load(f)['complete']
-        except (ValueError, KeyError, TypeError) as e:
-            raise UserError(f"{manifest}: unreadable ({e!r})") from None
-        if not complete:
-            raise UserError(f"{data_root!r} is unfinished: fineweb.py was interrupted or failed there; "
-                            f"run the same fineweb.py command again to finish it")
+    manifest = read_manifest(data_root)
+    if manifest is not None and not manifest['complete']:
+        raise UserError(f"{data_root!r} is unfinished: fineweb.py was interrupted or failed there; "
+                        f"run the same fineweb.py command again to finish it")
     shards = sorted(glob.glob(os.path.join(data_root, f'*_{split}_*.npy')))
     if not shards and split == 'train' and glob.glob(os.path.join(data_root, '*_val_*.npy')):
         raise UserError(f"{data_root!r} holds a val shard and no train shard: its corpus was smaller than one "
@@ -64,12 +73,11 @@ def checked_shards(data_root, split, step_tokens, shuffle, say):
 def dataset_of(data_root):
     """What data_root's shards were made from, as fineweb.py's manifest says: the HF dataset and its
     config ("HuggingFaceFW/fineweb-edu sample-10BT"), the demo, local files; None without a
-    manifest (build-nanogpt's shards, or others). run.json records it; plot.py reads it."""
-    try:
-        with open(os.path.join(data_root, MANIFEST)) as f:
-            args = json.load(f)['args']
-    except (OSError, ValueError, KeyError, TypeError):
+    manifest. run.json records it; plot.py reads it."""
+    manifest = read_manifest(data_root)
+    if manifest is None:
         return None
+    args = manifest['args']
     if 'demo' in args:
         return 'demo: the Python standard library'
     return f"{args['dataset']} {args.get('name') or ''}".strip() if 'dataset' in args else 'local files'

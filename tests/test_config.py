@@ -57,7 +57,8 @@ def test_overrides_parse_as_literals_and_keep_types(tmp_path):
     (["--max_steps=-1"], r"config key 'max_steps' must be >= 0, got -1"),
     (["--n_head=5"], r"n_embd=768 must be a multiple of n_head=5"),
     (["--dtype=float8"], r"config key 'dtype' must be 'auto', 'bfloat16', 'float16' or 'float32', got 'float8'"),
-    (["--device=gpu"], r"config key 'device' must be auto, cpu, cuda, cuda:N or mps, got 'gpu'"),
+    (["--device=gpu"], r"device must be auto, cpu, cuda, cuda:N or mps, got 'gpu'"),
+    (["--device=True"], r"device must be auto, cpu, cuda, cuda:N or mps, got True"),  # "auto" takes a bool: not here
     (["--resume=yes"], r"config key 'resume' must be 'auto' or 'never', got 'yes'"),
     (["--keep_checkpoints=-1"], r"keep_checkpoints must be >= 0 and max_bad_steps >= 1, got -1 and 5"),
     (["--max_bad_steps=0"], r"keep_checkpoints must be >= 0 and max_bad_steps >= 1, got 3 and 0"),
@@ -175,7 +176,7 @@ def test_gpus_are_checked_as_torchrun_maps_them(monkeypatch):
         hardware.pick_device("cuda", local_rank=2)  # --nproc_per_node=3 on 2 GPUs
     with pytest.raises(UserError, match=r"^device='cuda:2' is not on this machine \(torch sees 2 CUDA GPUs\)"):
         hardware.pick_device("cuda:2")
-    with pytest.raises(UserError, match=r"^device='gpu': expected auto, cpu, cuda, cuda:N or mps$"):
+    with pytest.raises(UserError, match=r"^device must be auto, cpu, cuda, cuda:N or mps, got 'gpu'$"):
         hardware.pick_device("gpu")
 
 

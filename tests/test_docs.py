@@ -74,10 +74,15 @@ def read(*path):
     return open(os.path.join(ROOT, *path)).read()
 
 
+def commands(block):
+    """The lines of a ```bash block's body, continued lines joined, comments and blank lines out."""
+    lines = [line.split("  #")[0].strip() for line in block.replace("\\\n", " ").splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
 def bash_block(text, after):
-    """The commands of the first ```bash block after the text `after` (continued lines joined)."""
-    block = text[text.index(after):].split("```bash\n", 1)[1].split("```", 1)[0]
-    return [line.split("  #")[0].strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    """The commands of the first ```bash block after the text `after`."""
+    return commands(text[text.index(after):].split("```bash\n", 1)[1].split("```", 1)[0])
 
 
 def run_command(line, cwd, *extra):
@@ -117,8 +122,7 @@ def test_slurm_lead_time_is_one_figure():
 def readme_commands():
     """Every command of the README's ```bash blocks, in order ('a && b' is two; continued lines joined)."""
     blocks = re.findall(r"```bash\n(.*?)```", read("README.md"), re.S)
-    return [c.strip() for block in blocks for line in bash_block("```bash\n" + block + "```", "```bash")
-            for c in line.split(" && ") if not line.startswith("#")]
+    return [c.strip() for block in blocks for line in commands(block) for c in line.split(" && ")]
 
 
 def left_out(command):

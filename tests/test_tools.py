@@ -230,19 +230,19 @@ def test_plot_draws_gpt2_val_loss_only_over_fineweb_edu(tmp_path, capsys):
     assert val_references(tmp_path, demo, edu) == ["GPT-2 124M (OpenAI), FineWeb-Edu val loss: 3.2924"]  # some run
     # which runs are FineWeb-Edu's: the last start's dataset; older entries without one, data_root's name
     entry = {"config": {"data_root": "/data/edu_fineweb10B/"}}
-    assert plot.is_fineweb_edu(a_log_dir(tmp_path / "old", [entry]))
-    assert plot.is_fineweb_edu(a_log_dir(tmp_path / "no_manifest", [dict(entry, dataset=None)]))
-    assert not plot.is_fineweb_edu(a_log_dir(tmp_path / "local", [dict(entry, dataset="local files")]))
-    assert not plot.is_fineweb_edu(a_log_dir(tmp_path / "old_stdlib", [{"config": {"data_root": "stdlib"}}]))
-    assert not plot.is_fineweb_edu(a_log_dir(tmp_path / "fineweb", [{"config": {"data_root": "fineweb10B"}}]))  # not edu
-    assert not plot.is_fineweb_edu(a_log_dir(tmp_path / "edu_score", [dict(entry, dataset="HuggingFaceFW/fineweb-edu"
+    assert plot.trained_on_fineweb_edu(a_log_dir(tmp_path / "old", [entry]))
+    assert plot.trained_on_fineweb_edu(a_log_dir(tmp_path / "no_manifest", [dict(entry, dataset=None)]))
+    assert not plot.trained_on_fineweb_edu(a_log_dir(tmp_path / "local", [dict(entry, dataset="local files")]))
+    assert not plot.trained_on_fineweb_edu(a_log_dir(tmp_path / "old_stdlib", [{"config": {"data_root": "stdlib"}}]))
+    assert not plot.trained_on_fineweb_edu(a_log_dir(tmp_path / "fineweb", [{"config": {"data_root": "fineweb10B"}}]))  # not edu
+    assert not plot.trained_on_fineweb_edu(a_log_dir(tmp_path / "edu_score", [dict(entry, dataset="HuggingFaceFW/fineweb-edu"
                                                                                     "-score-2 default")]))
-    assert not plot.is_fineweb_edu(a_log_dir(tmp_path / "then_demo", [
+    assert not plot.trained_on_fineweb_edu(a_log_dir(tmp_path / "then_demo", [
         {"config": {"data_root": "a"}, "dataset": "HuggingFaceFW/fineweb-edu sample-10BT"},
         {"config": {"data_root": "b"}, "dataset": "demo: the Python standard library"}]))
     capsys.readouterr()
     for i, text in enumerate(["{not json", "{}", "[]", "[3]", '[{"dataset": 5}]', '[{"config": {}}]']):
-        assert not plot.is_fineweb_edu(a_log_dir(tmp_path / f"bad{i}", text)), text
+        assert not plot.trained_on_fineweb_edu(a_log_dir(tmp_path / f"bad{i}", text)), text
         assert "run.json: not a run.json list of entries" in capsys.readouterr().err, text
 
 
