@@ -43,13 +43,13 @@ import torch
 import torch.nn.functional as F
 
 import hellaswag
-import memory
+from gptkit import memory
 import train_gpt2
-from configurator import parse_config
-from errors import UserError
-from hardware import autocast, choose_precision, cpu_has_bf16, matmul_flops, sync
+from gptkit.configurator import parse_config
+from gptkit.common import UserError
+from gptkit.hardware import autocast, choose_precision, cpu_has_bf16, matmul_flops, sync
 from model import GPT, GPTConfig, flops_per_token
-from tokenizer import EOT, N_VOCAB
+from gptkit.tokenizer import EOT, N_VOCAB
 
 
 class RandomTokens:
@@ -243,7 +243,7 @@ def bench_step(c, argv, device):
     config = GPTConfig.from_dict(c)
     tok_per_s = c['total_batch_size'] / ours['dt']
     fpt = flops_per_token(config, c['T'])
-    peak_flops = matmul_flops(device, c['dtype']) if device != 'cpu' else None  # on a CPU no peak holds (hardware.py)
+    peak_flops = matmul_flops(device, c['dtype']) if device != 'cpu' else None  # on a CPU no peak holds (gptkit/hardware.py)
     mem_what = "max allocated by torch" if device.startswith('cuda') else "peak RSS of the process"
     print(f"model: {ours['params'] / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
           f"n_embd={config.n_embd} vocab={config.vocab_size}")
@@ -385,7 +385,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 from transformers import GPT2LMHeadModel
-from tokenizer import get_gpt2_encoding  # tiktoken's GPT-2 encoding, from local files (offline)
+from gptkit.tokenizer import get_gpt2_encoding  # tiktoken's GPT-2 encoding, from local files (offline)
 
 model_dir, path, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
 enc = get_gpt2_encoding()

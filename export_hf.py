@@ -7,7 +7,7 @@ The folder loads with transformers' GPT2LMHeadModel / AutoModelForCausalLM and A
 (lm-evaluation-harness, pipelines), and model.py's GPT.from_pretrained reads it back: config.json,
 model.safetensors (weights in HF's layout, Conv1D transposed; the vocabulary's padding rows past
 GPT-2's tokens dropped) and the GPT-2 tokenizer (tokenizer.json, vocab.json, merges.txt),
-built from the local vocab.bpe/encoder.json that tokenizer.py uses: nothing is downloaded.
+built from the local vocab.bpe/encoder.json that gptkit/tokenizer.py uses: nothing is downloaded.
 """
 import argparse
 import json
@@ -16,9 +16,9 @@ import shutil
 import sys
 import tempfile
 
-from errors import UserError
+from gptkit.common import UserError
 from model import HF_MASK_BUFFERS, read_checkpoint_weights, to_hf_state_dict
-from tokenizer import EOT, EOT_TEXT, N_VOCAB, local_gpt2_folder
+from gptkit.tokenizer import EOT, EOT_TEXT, N_VOCAB, local_gpt2_folder
 
 
 def save_tokenizer(out_dir, max_length):

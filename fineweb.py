@@ -34,10 +34,9 @@ import time
 
 import numpy as np
 
-from atomic import atomic_write
-from errors import UserError
-from shards import FINEWEB_EDU, MANIFEST
-from tokenizer import EOT, get_gpt2_encoding
+from gptkit.common import UserError, atomic_write
+from gptkit.shards import FINEWEB_EDU, MANIFEST
+from gptkit.tokenizer import EOT, get_gpt2_encoding
 
 EXTENSIONS = ('.parquet', '.jsonl', '.txt')
 

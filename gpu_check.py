@@ -33,13 +33,13 @@ import numpy as np
 import torch
 
 import hellaswag
-import memory
+from gptkit import memory
 import train_gpt2
-from configurator import parse_config
-from errors import UserError
-from hardware import choose_precision, matmul_flops, sync
+from gptkit.configurator import parse_config
+from gptkit.common import UserError
+from gptkit.hardware import choose_precision, matmul_flops, sync
 from model import GPT, GPTConfig, flops_per_token
-from tokenizer import N_VOCAB
+from gptkit.tokenizer import N_VOCAB
 
 
 def time_evals(c, config, device, n_examples):

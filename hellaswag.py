@@ -25,11 +25,10 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from atomic import atomic_write
-from errors import UserError
-from hardware import autocast, pick_device, reuse_freed_memory
+from gptkit.common import UserError, atomic_write
+from gptkit.hardware import autocast, pick_device, reuse_freed_memory
 from model import PackedTokens, load_model
-from tokenizer import N_VOCAB, get_gpt2_encoding
+from gptkit.tokenizer import N_VOCAB, get_gpt2_encoding
 
 URLS = {split: f"https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
         for split in ("train", "val", "test")}
@@ -242,7 +241,7 @@ def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_ex
 def load_for_training(file, model):
     """For train_gpt2.py's evals: the rendered val examples (file, else the cached or downloaded
     split), or None after one warning when there are none; the same answer on every rank."""
-    import parallel  # the trainer's path only: `python hellaswag.py` needs none of DDP's and FSDP's imports
+    from gptkit import parallel  # the trainer's path only: `python hellaswag.py` needs none of DDP's and FSDP's imports
     examples, why = None, None
     if model.config.vocab_size < N_VOCAB:
         why = f"vocab_size={model.config.vocab_size} is smaller than GPT-2's {N_VOCAB}"
@@ -298,7 +297,7 @@ def main(argv=None):
     p.add_argument('--limit', type=int, default=0, help="score only the first N examples")
     p.add_argument('--batch_examples', type=int, default=32, help="examples per forward pass (default: %(default)s)")
     args = p.parse_args(argv)
-    from checkpoint import model_in  # here, not atop: `import hellaswag` stays without parallel.py (benchmarks.md)
+    from gptkit.checkpoint import model_in  # here, not atop: `import hellaswag` stays without gptkit/parallel.py (benchmarks.md)
     try:
         device = pick_device(args.device)
         examples = list(iterate_examples(args.split, args.file))

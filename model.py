@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from tokenizer import N_VOCAB
+from gptkit.tokenizer import N_VOCAB
 
 OPENAI_MODELS = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')  # through HF transformers
 # HF's GPT-2 keeps these weights as Conv1D, (in, out); nn.Linear holds (out, in)
@@ -250,7 +250,7 @@ class GPT(nn.Module):
         adamw = dict(lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=True)
         if optimizer != 'muon':
             return torch.optim.AdamW(optim_groups, **adamw)
-        from muon import MuonAdamW
+        from gptkit.optim import MuonAdamW
         muon_groups = [{'params': muon, 'weight_decay': weight_decay, 'lr_scale': muon_lr / learning_rate}]
         return MuonAdamW(muon_groups, optim_groups, dict(lr=muon_lr, momentum=muon_momentum, nesterov=True,
                                                          adjust_lr_fn='match_rms_adamw'), adamw)

@@ -20,9 +20,8 @@ import math
 import os
 import sys
 
-from atomic import atomic_write
-from errors import UserError
-from shards import is_fineweb_edu
+from gptkit.common import UserError, atomic_write
+from gptkit.shards import is_fineweb_edu
 
 KINDS = ('train', 'val', 'bpb', 'hella', 'epoch')  # epoch: '{step} epoch {n}' where epoch n begins
 IGNORED = ('skip', 'overflow')  # the trainer's rare event lines: not curves

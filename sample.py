@@ -13,10 +13,10 @@ import sys
 
 import torch
 
-from errors import UserError
-from hardware import autocast, pick_device, resolve_dtype
+from gptkit.common import UserError
+from gptkit.hardware import autocast, pick_device, resolve_dtype
 from model import load_model
-from tokenizer import EOT, get_gpt2_encoding
+from gptkit.tokenizer import EOT, get_gpt2_encoding
 
 
 def encode_prompt(enc, prompt, model):
@@ -80,7 +80,7 @@ def main(argv=None):
                 prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
             sys.exit(f"error: --prompt {args.prompt}: cannot read it ({e})")
-    from checkpoint import model_in  # here, not atop: `import sample` (the trainer's) stays without parallel.py
+    from gptkit.checkpoint import model_in  # here, not atop: `import sample` (the trainer's) stays without gptkit/parallel.py
     try:
         device = pick_device(args.device)
         dtype, _ = resolve_dtype(args.dtype, device)

@@ -6,11 +6,11 @@ Train GPT-2 on FineWeb-Edu token shards, on one CPU/GPU or many GPUs.
     python train_gpt2.py config/NAME.py --max_steps=100 --dtype=float32
 
 One run, top to bottom: the constants (edit them here, or override them with config files and
---key=value arguments: configurator.py); DDP setup from torchrun's environment; the data; the
+--key=value arguments: gptkit/configurator.py); DDP setup from torchrun's environment; the data; the
 evaluations; one training step with gradient accumulation; the loop that evaluates, samples,
 checkpoints and stops. The run's functions read the constants; what other files import takes
-what it needs as arguments. Other collectives: parallel.py; checkpoints, resuming and SIGTERM
-(exit 75): checkpoint.py; log.txt, samples.txt, run.json: run_record.py; the DDP parts: docs/ddp.md.
+what it needs as arguments. Other collectives: gptkit/parallel.py; checkpoints, resuming and SIGTERM
+(exit 75): gptkit/checkpoint.py; log.txt, samples.txt, run.json: gptkit/run_record.py; the DDP parts: docs/ddp.md.
 """
 import math
 import os
@@ -22,21 +22,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import checkpoint
-from checkpoint import TrainState
-import memory
-import run_record
-from configurator import accumulation_steps, parse_config
-from errors import UserError
-from hardware import autocast, choose_precision, peak_flops, pick_device, pinned, reuse_freed_memory
+from gptkit import checkpoint
+from gptkit.checkpoint import TrainState
+from gptkit import memory
+from gptkit import run_record
+from gptkit.configurator import accumulation_steps, parse_config
+from gptkit.common import UserError
+from gptkit.hardware import autocast, choose_precision, peak_flops, pick_device, pinned, reuse_freed_memory
 from model import GPT, GPTConfig, flops_per_token
-from parallel import (agree, clip_grad_norm, end_process_group, rank as process_rank, require_backward_grad_sync,
+from gptkit.parallel import (agree, clip_grad_norm, end_process_group, rank as process_rank, require_backward_grad_sync,
                       gave_up, restart_store, shard_fsdp, start_patient_group, state_mib, wait_for_all, whole_models,
                       world_size, wrap_ddp, zero_grad)
 from sample import training_samples
-from schedule import get_lr
-from shards import ShuffledDocuments, checked_shards, find_shards, load_val_tokens, open_shard
-from tokenizer import token_byte_lengths, utf8_bytes
+from gptkit.optim import get_lr
+from gptkit.shards import ShuffledDocuments, checked_shards, find_shards, load_val_tokens, open_shard
+from gptkit.tokenizer import token_byte_lengths, utf8_bytes
 
 # -----------------------------------------------------------------------------
 # config: the defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu (build-nanogpt's run)
@@ -53,7 +53,7 @@ block_size = 1024  # longest sequence the model can see
 vocab_size = 50304  # GPT-2's vocabulary padded up to a multiple of 128, for faster matmuls
 # batch: total_batch_size tokens per optimizer step = B * T * world_size * grad_accum_steps
 total_batch_size = 524288  # 2**19, ~0.5M tokens, as GPT-3 124M
-B = "auto"  # micro-batch: sequences per forward/backward per process; "auto": the most that fit (memory.py)
+B = "auto"  # micro-batch: sequences per forward/backward per process; "auto": the most that fit (gptkit/memory.py)
 T = 1024  # sequence length
 # optimizer: AdamW, linear warmup then cosine decay to min_lr at max_steps (other recipes: docs/recipes.md)
 max_lr = 6e-4  # the peak, reached at the end of warmup
@@ -62,10 +62,10 @@ warmup_steps = 715  # 375M tokens, as GPT-3
 max_steps = 19073  # 10B tokens / 2**19 per step: a little over one epoch of sample-10BT (see the start)
 weight_decay = 0.1  # AdamW's, on the 2-D weights only (model.py: configure_optimizers)
 grad_clip = 1.0  # clip the global gradient norm to this; 0 disables
-lr_schedule = "cosine"  # "cosine", or "wsd": warmup, constant max_lr, then decay_shape to min_lr (schedule.py)
+lr_schedule = "cosine"  # "cosine", or "wsd": warmup, constant max_lr, then decay_shape to min_lr (gptkit/optim.py)
 decay_frac = 0.2  # wsd: the last 20% of max_steps decay
 decay_shape = "linear"  # wsd: "linear" or "1-sqrt"
-optimizer = "adamw"  # "adamw", or "muon": Muon for the blocks' weight matrices, AdamW for the rest (muon.py)
+optimizer = "adamw"  # "adamw", or "muon": Muon for the blocks' weight matrices, AdamW for the rest (gptkit/optim.py)
 muon_lr = 1.8e-3  # muon: its peak lr, 3x max_lr (the quick start's best: docs/recipes.md), scheduled as max_lr is
 muon_momentum = 0.95  # muon: Nesterov momentum
 # evaluation, samples, checkpoints (every N steps and at the last step; 0 turns it off)
@@ -85,7 +85,7 @@ device = "auto"  # auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps; torchrun use
 dtype = "auto"  # auto (what the hardware does fast, printed at start), bfloat16, float16 (+ loss scaling), float32
 compile = "auto"  # torch.compile the model: auto = on CUDA (slow to start, faster to run), off elsewhere; True, False
 cpu_reuse_memory = True  # CPU on Linux: keep freed memory for reuse: faster steps, more peak RSS (docs/benchmarks.md)
-parallel = "ddp"  # with torchrun: "ddp" (a whole copy of the state per GPU) or "fsdp" (sharded: parallel.py)
+parallel = "ddp"  # with torchrun: "ddp" (a whole copy of the state per GPU) or "fsdp" (sharded: gptkit/parallel.py)
 collective_timeout = 600  # seconds a rank waits for the others (a stuck rank), not for rank 0's work alone (docs/ddp.md)
 seed = 1337  # the init, the data's order, the samples
 # Weights & Biases (rank 0; the numbers of log.txt): pip install -r requirements-wandb.txt
@@ -275,7 +275,7 @@ def train_step(state, grad_accum_steps, lr, grad_clip, device, dtype):
     finite = torch.stack((torch.isfinite(loss_accum), torch.isfinite(norm)))  # on the device: nothing waits
     for group in optimizer.param_groups:
         group['lr'] = lr * group.get('lr_scale', 1.0)  # muon: its groups' lr is muon_lr / max_lr times lr
-    optimizer.found_inf = (~finite.all()).float()  # 1: fused AdamW (and muon.py) leave weights and state as they are
+    optimizer.found_inf = (~finite.all()).float()  # 1: fused AdamW (and gptkit/optim.py) leave weights and state as they are
     optimizer.step()
     del optimizer.found_inf
     finite_loss, finite_norm = finite.tolist()  # the step's first wait, once its update is queued
@@ -332,7 +332,7 @@ def run():
     # resume="auto": the newest checkpoint of log_dir that loads (the same command resumes a stopped run)
     ckpt_path, ckpt = checkpoint.find_checkpoint(log_dir, resume, device)
     raw_model = build_model(ckpt, ckpt_path)
-    global B  # "auto": the most that fit this device's free memory, by count (memory.py); every rank the least
+    global B  # "auto": the most that fit this device's free memory, by count (gptkit/memory.py); every rank the least
     B, why = memory.micro_batch(config, raw_model.config, device, world)
     grad_accum_steps = accumulation_steps(total_batch_size, B, T, world)  # total_batch_size // (B * T * world)
     loader = DataLoaderLite(B, T, rank, world, 'train', data_root, grad_accum_steps, raw_model.config.vocab_size,

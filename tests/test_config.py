@@ -7,7 +7,7 @@ import torch
 
 import train_gpt2
 from conftest import ROOT, run_script
-from schedule import get_lr
+from gptkit.optim import get_lr
 from train_gpt2 import UserError, parse_config
 
 DEFAULTS = dict(train_gpt2.DEFAULTS)
@@ -18,7 +18,7 @@ def test_defaults_are_build_nanogpts_run():
     assert (d["n_layer"], d["n_head"], d["n_embd"], d["block_size"], d["vocab_size"]) == (12, 12, 768, 1024, 50304)
     assert (d["total_batch_size"], d["B"], d["T"], d["max_steps"], d["warmup_steps"]) == (524288, "auto", 1024, 19073, 715)
     # B="auto" on build-nanogpt's 8 x 80 GB GPUs, compiled, in bf16: its B=64, one micro-step
-    import memory
+    from gptkit import memory
     from model import GPTConfig
     assert memory.micro_batch(dict(d, dtype="bfloat16", compile=True), GPTConfig.from_dict(d), "cuda", 8, free=80e9)[0] == 64
     assert (d["max_lr"], d["min_lr"], d["weight_decay"], d["grad_clip"], d["seed"]) == (6e-4, 6e-5, 0.1, 1.0, 1337)
@@ -164,7 +164,7 @@ def test_gpus_are_checked_as_torchrun_maps_them(monkeypatch):
     """Issue 31.5 on a 2-GPU machine (torch's answers stood in for): cuda is cuda:0, torchrun's rank
     takes cuda:LOCAL_RANK whatever was asked (so device="cuda:1" on a rank that sees one GPU is
     fine), and a GPU that is not there is one line naming the ones that are."""
-    import hardware
+    from gptkit import hardware
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
@@ -210,7 +210,7 @@ def test_16_gpus_are_told_which_B_to_use():
     """Issue 21.17: 2 nodes x 8 GPUs at a fixed B=64 (64 x 1024 x 16 > 2**19) stop with a line that
     names the B that works; B="auto" (issue 29) takes it by itself: the README's two-node command
     sets no B."""
-    from configurator import accumulation_steps
+    from gptkit.configurator import accumulation_steps
     assert accumulation_steps(524288, 64, 1024, 8) == 1 and accumulation_steps(524288, 8, 1024, 8) == 8
     with pytest.raises(UserError) as e:
         accumulation_steps(524288, 64, 1024, 16)
@@ -218,7 +218,7 @@ def test_16_gpus_are_told_which_B_to_use():
     readme = open(os.path.join(ROOT, "README.md")).read()
     two_nodes = readme[readme.index("torchrun --nnodes=2"):].split("\n\n")[0]
     assert "--nproc_per_node=8" in two_nodes and "--B=" not in two_nodes and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in readme
-    import memory
+    from gptkit import memory
     from model import GPTConfig
     c = dict(DEFAULTS, dtype="bfloat16", compile=True)  # 124M
     auto = lambda world: memory.micro_batch(c, GPTConfig.from_dict(c), "cuda", world, free=80e9)[0]
@@ -263,7 +263,7 @@ def test_presets_parse_and_divide(path):
     c = parse_config([path], DEFAULTS)
     assert c["n_embd"] % c["n_head"] == 0 and c["T"] <= c["block_size"]
     if "gpt2_" in path:  # the GPU presets: one node of 8 GPUs, 10B tokens; B="auto" takes what the comment says
-        import memory
+        from gptkit import memory
         from model import GPTConfig
         B = memory.micro_batch(dict(c, dtype="bfloat16", compile=True), GPTConfig.from_dict(c), "cuda", 8, free=80e9)[0]
         assert f'# B = "auto" (the default): {B} per GPU on 80 GB' in open(path).read(), (path, B)

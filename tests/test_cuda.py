@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import checkpoint
+from gptkit import checkpoint
 import train_gpt2
 from conftest import TINY, random_shards, read_log, run_script
-from hardware import autocast, resolve_dtype
+from gptkit.hardware import autocast, resolve_dtype
 from model import GPT, GPTConfig, LinearCrossEntropy, flops_per_token
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

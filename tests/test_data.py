@@ -92,7 +92,7 @@ def test_shards_shorter_than_a_step_are_passed_over(tmp_path, shuffle, capsys):
     over wherever its turn comes, keeping its place in the list: a checkpoint's shard number means
     the same file whatever total_batch_size, so a resume with a larger one finds its shard in the
     same order. Brute force: no step reads a short shard's tokens (ids 2000 and up here)."""
-    from tokenizer import EOT
+    from gptkit.tokenizer import EOT
     rng = np.random.default_rng(0)
     doc = lambda n, low: np.concatenate(([EOT], rng.integers(low, low + 1000, n - 1)))  # one document of n tokens
     write_shards(tmp_path, "train", [np.concatenate([doc(8, 0) for _ in range(9)]), doc(10, 2000),

@@ -65,7 +65,7 @@ def test_ddp_guide_points_at_the_code():
 def test_config_files_are_said_to_run_as_code():
     """Issue 21.8: a config file is Python that the trainer executes: the README and configurator.py
     say so, and to use only files you trust."""
-    for path in ("README.md", "configurator.py"):
+    for path in ("README.md", "gptkit/configurator.py"):
         text = " ".join(open(os.path.join(ROOT, path)).read().split())
         assert "runs as code: use only files you trust" in text, path
 
@@ -220,8 +220,8 @@ def test_fsdp_memory_table_matches_a_count():
     """Issue 21.11: docs/fsdp.md's activations per preset are what autograd saves for one
     micro-batch at the B that "auto" takes on 8 GPUs of 80 GB (bf16 autocast, the CPU's loss,
     counted on fake tensors by memory.activations: no memory used)."""
-    from configurator import parse_config
-    import memory
+    from gptkit.configurator import parse_config
+    from gptkit import memory
     import train_gpt2
     from model import GPTConfig
     table = {m.group(1): (int(m.group(2)), float(m.group(3))) for m in

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fineweb
-import shards
+from gptkit import shards
 import forked
 from conftest import ROOT, one_thread
 from train_gpt2 import DataLoaderLite

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 import forked
 from conftest import one_thread
 import hellaswag
-from errors import UserError
+from gptkit.common import UserError
 from model import GPT, GPTConfig
 
 WORDS = "a man is seen the woman then they continue to walk dog ball kitchen holds up smiles camera".split()

@@ -15,9 +15,9 @@ import torch
 from conftest import ROOT, TINY, random_shards, read_log
 from test_step import launch
 
-import memory
+from gptkit import memory
 import train_gpt2
-from configurator import parse_config
+from gptkit.configurator import parse_config
 from model import GPTConfig
 
 SHAPES = [  # (n_layer, n_head, n_embd, vocab_size, T, B, dtype): wide and narrow, deep and shallow
@@ -42,8 +42,8 @@ def test_the_count_of_few_blocks_gives_the_whole_forward(L, H, C, V, T, B, dtype
 PEAK = """
 import json, re, sys, torch
 sys.path.insert(0, {root!r})
-import memory
-from hardware import autocast
+from gptkit import memory
+from gptkit.hardware import autocast
 from model import GPT, GPTConfig
 L, H, C, V, T, B, dtype = {args!r}
 torch.set_num_threads(1)
@@ -129,7 +129,8 @@ def free_for(B, world=1, extra=()):
 # crash, os._exit) where FAULT says: in a step's forward from step 3 on, or at the step-4 evals
 FAULTY = """
 import os, sys, torch
-import memory, train_gpt2
+import train_gpt2
+from gptkit import memory
 from model import GPT
 rank = os.environ.get('RANK', '0')
 if os.environ.get('FREE_' + rank):
@@ -205,7 +206,7 @@ def test_out_of_memory_is_one_line_and_the_checkpoint_before_it_resumes(data, tm
 
 
 def test_bad_B_is_one_line():
-    from errors import UserError
+    from gptkit.common import UserError
     with pytest.raises(UserError, match=r"config key 'B' must be 'auto' or a number of sequences, got 'big'"):
         parse_config(["--B=big"], train_gpt2.DEFAULTS)
     with pytest.raises(UserError, match=r"config key 'B' must be positive, got 0"):

@@ -185,7 +185,7 @@ def test_linear_cross_entropy_matches_torch(dtype, rtol):
     of rows) against F.linear + F.cross_entropy in float32, under each autocast: same loss, same
     gradients for the hidden states and the (tied) weight."""
     import torch.nn.functional as F
-    from hardware import autocast
+    from gptkit.hardware import autocast
     from model import LinearCrossEntropy
     g = torch.Generator().manual_seed(0)
     N, C, V = 100, 64, 50304  # 41 rows per block on CPU: 3 blocks, the last one short

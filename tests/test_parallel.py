@@ -188,7 +188,7 @@ def test_the_process_group_waits_collective_timeout_and_rank_0s_work_alone_longe
     seconds; the barrier after rank 0's long work alone (parallel.wait_for_all) is a gloo group
     of its own that waits a week. test_step.py runs both on real processes."""
     from datetime import timedelta
-    import parallel
+    from gptkit import parallel
     import train_gpt2
     seen, groups = {}, []
     monkeypatch.setattr(train_gpt2.dist, "init_process_group", lambda **kw: seen.update(kw))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import hardware
+from gptkit import hardware
 import model
 import train_gpt2
 import forked

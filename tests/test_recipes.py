@@ -14,7 +14,7 @@ import torch
 
 from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
 from model import GPT, GPTConfig
-from schedule import get_lr
+from gptkit.optim import get_lr
 from test_resume import start, state, wait_for_step
 
 STEPS = 40

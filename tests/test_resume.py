@@ -17,7 +17,7 @@ import torch
 
 import forked
 from conftest import ROOT, TINY, children, kill_job, one_thread, random_shards, read_log, run_script, write_shards
-from checkpoint import RESUME_KEYS
+from gptkit.checkpoint import RESUME_KEYS
 
 MAX_STEPS = 120
 COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=256", f"--max_steps={MAX_STEPS}",
@@ -450,7 +450,7 @@ def test_resumed_optimizer_keeps_this_devices_settings():
     """Issue 21.6: a checkpoint's param groups carry the saving run's AdamW settings (foreach, as
     written before issue 27 made AdamW fused everywhere); restore keeps the fresh optimizer's and
     the checkpoint's state."""
-    import checkpoint
+    from gptkit import checkpoint
     from model import GPT, GPTConfig
     torch.manual_seed(0)
     m = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
@@ -495,7 +495,7 @@ def test_ctrl_c_stops_like_sigterm_and_a_second_one_aborts(one, data, tmp_path):
     assert (log_dir / "log.txt").read_text() == (one / "log.txt").read_text()
     assert_same(state(one), state(log_dir))
 
-    import checkpoint
+    from gptkit import checkpoint
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
         checkpoint.listen_for_stop_signals()
@@ -539,7 +539,7 @@ def test_a_log_dir_without_locks_warns_and_runs(tmp_path, monkeypatch, capsys):
     warning that names run.lock, and the run goes on unprotected."""
     import errno
     import fcntl
-    import checkpoint
+    from gptkit import checkpoint
 
     def no_locks(*a):
         raise OSError(errno.ENOSYS, "Function not implemented")

@@ -12,7 +12,7 @@ import torch
 
 from conftest import TINY, read_log, run_script, write_shards
 from test_data import expected_runs
-from tokenizer import EOT
+from gptkit.tokenizer import EOT
 from train_gpt2 import DataLoaderLite, UserError
 
 T = 4

@@ -2,7 +2,7 @@ import shutil
 
 import pytest
 
-import tokenizer
+from gptkit import tokenizer
 
 
 def test_gpt2_encoding_offline(enc):

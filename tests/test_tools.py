@@ -57,7 +57,7 @@ def test_step_line_shows_eta_and_no_mfu_on_a_cpu(run):
                                         ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10G", 70e12),
                                         ("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12), ("Tesla V100-SXM2-16GB", 125e12)])
 def test_gpu_peak_table(monkeypatch, name, flops):
-    import hardware
+    from gptkit import hardware
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert hardware.peak_flops("cuda:0", "bfloat16") == (flops, f"{name} datasheet")
 
@@ -429,7 +429,7 @@ def test_export_racing_another_writer_is_one_line(exported, tmp_path, monkeypatc
     """Issue 21.8: another writer fills OUT_DIR while the export runs: one UserError naming it, that
     writer's files left alone, no temporary folder left behind."""
     import export_hf
-    from errors import UserError
+    from gptkit.common import UserError
     ckpt, _ = exported
     out, real = tmp_path / "race", export_hf.save_tokenizer
 

@@ -7,7 +7,7 @@ import torch
 
 import forked
 from conftest import TINY, one_thread, random_shards, read_log, run_script, write_shards
-from hardware import cpu_has_bf16
+from gptkit.hardware import cpu_has_bf16
 from model import GPT, GPTConfig
 from test_hellaswag import make_examples, write_file
 from train_gpt2 import evaluate, load_val_tokens

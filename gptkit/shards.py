@@ -10,8 +10,8 @@ import os
 
 import numpy as np
 
-from errors import UserError
-from tokenizer import EOT
+from gptkit.common import UserError
+from gptkit.tokenizer import EOT
 
 MANIFEST = 'fineweb_manifest.json'  # written by fineweb.py: its arguments, its shards, whether it finished
 FINEWEB_EDU = 'HuggingFaceFW/fineweb-edu'  # the data GPT-2's reference val loss (plot.py) is measured on

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from errors import UserError
+from gptkit.common import UserError
 
 # torch.compile's kernel cache does not tell a process whose ATen kernels are forced to one CPU
 # capability (ATEN_CPU_CAPABILITY=avx2, how the tests play an AVX2-only CPU) from a native one:
@@ -107,7 +107,7 @@ def resolve_dtype(dtype, device):
 def choose_precision(config, device):
     """The config with dtype and compile made concrete for this device ("auto"), the same on every
     rank; rank 0 says what it chose and why."""
-    import parallel  # the trainer's path only: the tools that use this file need none of DDP's and FSDP's imports
+    from gptkit import parallel  # the trainer's path only: the tools that use this file need none of DDP's and FSDP's imports
     dtype, why = resolve_dtype(config['dtype'], device)
     least = PRECISIONS[parallel.agree(PRECISIONS.index(dtype), 'min')]  # every rank must compute alike
     if least != dtype:

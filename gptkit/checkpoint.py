@@ -23,9 +23,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-import parallel
-from atomic import atomic_write
-from errors import UserError
+from gptkit import parallel
+from gptkit.common import UserError, atomic_write
 from model import GPT, GPTConfig
 
 CHECKPOINT_NAME = re.compile(r'model_(\d+)\.pt')

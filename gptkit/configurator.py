@@ -18,10 +18,9 @@ import importlib.util
 import os
 import sys
 
-from errors import UserError
-from hardware import PRECISIONS, device_type
-from muon import OPTIMIZERS
-from schedule import DECAY_SHAPES, SCHEDULES
+from gptkit.common import UserError
+from gptkit.hardware import PRECISIONS, device_type
+from gptkit.optim import DECAY_SHAPES, OPTIMIZERS, SCHEDULES
 
 # nanoGPT's and build-nanogpt's names for this trainer's constants
 NANOGPT_NAMES = {'learning_rate': 'max_lr', 'max_iters': 'max_steps', 'lr_decay_iters': 'max_steps',
@@ -29,7 +28,7 @@ NANOGPT_NAMES = {'learning_rate': 'max_lr', 'max_iters': 'max_steps', 'lr_decay_
                  'gradient_accumulation_steps': 'total_batch_size', 'eval_iters': 'val_tokens',
                  'sample_every': 'sample_interval', 'eval_every': 'eval_interval'}
 
-TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train_gpt2.py')  # where the constants live
+TRAINER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'train_gpt2.py')  # where the constants live
 AUTO_OR = {'B': int}  # an "auto" default takes a bool (--compile=False) or a value of this type: --B=16
 
 

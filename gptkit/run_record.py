@@ -15,12 +15,11 @@ import sys
 
 import torch
 
-import parallel
-from atomic import atomic_write
-from errors import UserError
-from shards import dataset_of
+from gptkit import parallel
+from gptkit.common import UserError, atomic_write
+from gptkit.shards import dataset_of
 
-CODE_DIR = os.path.dirname(os.path.abspath(__file__))
+CODE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def git_state():

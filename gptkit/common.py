@@ -1,10 +1,19 @@
-"""The one way this project writes a file that matters (shards, manifests, checkpoints, logs it
-rewrites, downloads): whole or absent, never half-written. No torch here: fineweb.py stays light."""
+"""
+What every script shares, with no torch (fineweb.py stays light): the one error class for "the user
+gave something wrong", and the one way this project writes a file that matters.
+"""
 import os
 
 
+class UserError(Exception):
+    """Bad configuration, input or data: a config value, a file, a folder, a download that did not
+    come. Every script catches it and prints one line (error: ...) with no traceback: it names the
+    key, file or value, what was expected and what to do."""
+
+
 def atomic_write(path, write):
-    """write(f) into a temporary file beside path, fsync, rename: path is whole or absent. The
+    """Shards, manifests, checkpoints, logs it rewrites, downloads: whole or absent, never
+    half-written. write(f) into a temporary file beside path, fsync, rename: path is whole or absent. The
     temporary name is path + '.tmp' + pid, removed on any failure (what a crash leaves behind
     matches path + '.tmp*')."""
     tmp = f"{path}.tmp{os.getpid()}"

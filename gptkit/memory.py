@@ -21,7 +21,7 @@ import traceback
 
 import torch
 
-from parallel import agree
+from gptkit.parallel import agree
 
 HEADROOM = 0.9  # of the free memory: fragmentation and every rank's own extras
 OVERHEAD = {'cuda': 2.5e9, 'mps': 1.0e9, 'cpu': 0.3e9}  # bytes; H200, 124M, B=64: 2.2 GB past the count
