@@ -26,7 +26,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from gptkit.common import UserError, atomic_write
-from gptkit.hardware import autocast, pick_device, reuse_freed_memory
+from gptkit.cpu import reuse_freed_memory
+from gptkit.hardware import autocast, pick_device
 from model import PackedTokens, load_model
 from gptkit.tokenizer import N_VOCAB, get_gpt2_encoding
 

@@ -28,7 +28,8 @@ from gptkit import memory
 from gptkit import run_record
 from gptkit.configurator import accumulation_steps, parse_config
 from gptkit.common import UserError
-from gptkit.hardware import autocast, choose_precision, peak_flops, pick_device, pinned, reuse_freed_memory
+from gptkit.cpu import reuse_freed_memory
+from gptkit.hardware import autocast, choose_precision, peak_flops, pick_device, pinned
 from model import GPT, GPTConfig, flops_per_token
 from gptkit.parallel import (agree, clip_grad_norm, end_process_group, rank as process_rank, require_backward_grad_sync,
                       gave_up, restart_store, shard_fsdp, start_patient_group, state_mib, wait_for_all, whole_models,

@@ -1,26 +1,15 @@
 """
 The device this process computes on: which one ("auto"), in which precision (dtype "auto",
-autocast), what its CPU can do (bf16 units), how its memory is handed out (glibc), and how fast it
+autocast), what its CPU can do (bf16 units), and how fast it
 multiplies (peak FLOP/s for MFU). docs/precision.md tells why each choice is made.
 """
-import ctypes
 import os
 import re
-import sys
-import tempfile
 import time
 
 import torch
 
 from gptkit.common import UserError
-
-# torch.compile's kernel cache does not tell a process whose ATen kernels are forced to one CPU
-# capability (ATEN_CPU_CAPABILITY=avx2, how the tests play an AVX2-only CPU) from a native one:
-# kernels cached by one gave NaNs from step 0, or a corrupted heap, in the other. Such a process
-# gets a cache of its own (read by inductor when it compiles; the trainer imports this first).
-if os.environ.get('ATEN_CPU_CAPABILITY') and 'TORCHINDUCTOR_CACHE_DIR' not in os.environ:
-    os.environ['TORCHINDUCTOR_CACHE_DIR'] = os.path.join(
-        tempfile.gettempdir(), f"torchinductor_{getattr(os, 'getuid', int)()}_{os.environ['ATEN_CPU_CAPABILITY']}")
 
 PRECISIONS = ('float32', 'float16', 'bfloat16')  # from the least capable hardware to the most
 AUTOCAST_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
@@ -119,20 +108,6 @@ def choose_precision(config, device):
                   "picks float32 here)")
     compiled = torch.device(device).type == 'cuda' if config['compile'] == 'auto' else config['compile']
     return dict(config, dtype=dtype, compile=compiled)
-
-
-def reuse_freed_memory():
-    """CPU on Linux: glibc hands every large tensor (the logits: B*T*vocab floats) back to the OS
-    when it is freed, and the next step page-faults gigabytes of zeroed pages back in: on a CPU
-    that system time can be half the step. Serve large blocks from the heap and never trim it
-    instead: faster steps for more peak memory (docs/benchmarks.md)."""
-    if not sys.platform.startswith('linux'):
-        return
-    mallopt = getattr(ctypes.CDLL(None), 'mallopt', None)  # glibc; absent on musl
-    if mallopt is not None:
-        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-        mallopt(M_MMAP_MAX, 0)
-        mallopt(M_TRIM_THRESHOLD, -1)  # -1 is SIZE_MAX to glibc: never trim
 
 
 def sync(device):

@@ -9,7 +9,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no internet here: the hub's offline mode, read when it is imported
 sys.path.insert(0, ROOT)
-from gptkit import hardware  # noqa: E402,F401 -- first: a compile cache of its own under ATEN_CPU_CAPABILITY (hardware.py)
+from gptkit import cpu  # noqa: E402,F401 -- first: a compile cache of its own under ATEN_CPU_CAPABILITY
 import forked  # noqa: E402 -- the scripts' runs start from a fork of this process (forked.py)
 
 # a model small enough for a few seconds of CPU training
