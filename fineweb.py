@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from gptkit.common import UserError, atomic_write
-from gptkit.shards import FINEWEB_EDU, MANIFEST
+from gptkit.shards import FINEWEB_EDU, MANIFEST, read_manifest
 from gptkit.tokenizer import EOT, get_gpt2_encoding
 
 EXTENSIONS = ('.parquet', '.jsonl', '.txt')
@@ -48,7 +48,8 @@ def local_files(spec):
     """The files that --dataset names: a file, a folder (searched recursively) or a glob, sorted."""
     spec = os.path.expanduser(spec)
     if os.path.isdir(spec):
-        files = [p for p in glob.glob(os.path.join(spec, '**', '*'), recursive=True) if p.endswith(EXTENSIONS)]
+        files = [p for p in glob.glob(os.path.join(spec, '**', '*'), recursive=True)
+                 if p.endswith(EXTENSIONS)]
     elif glob.has_magic(spec):
         files = glob.glob(spec, recursive=True)
     elif os.path.isfile(spec):
@@ -80,23 +81,19 @@ def iter_local(files, text_column):
     for path in files:
         if path.endswith('.parquet'):
             import pyarrow.parquet as pq
-            pf = pq.ParquetFile(path)  # its columns were checked up front
-            row = 0
-            for batch in pf.iter_batches(batch_size=1024, columns=[text_column]):
-                for text in batch.column(0).to_pylist():
-                    yield check_text(text, f"{path} row {row}")
-                    row += 1
+            # its columns were checked up front
+            batches = pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[text_column])
+            for row, text in enumerate(text for batch in batches for text in batch.column(0).to_pylist()):
+                yield check_text(text, f"{path} row {row}")
         elif path.endswith('.jsonl'):
             with open(path, 'rb') as f:
                 for lineno, raw in enumerate(f, 1):
                     if not raw.strip():
                         continue
                     try:
-                        obj = json.loads(raw.decode('utf-8'))
-                    except UnicodeDecodeError:
-                        raise UserError(f"{path}:{lineno}: not valid UTF-8") from None
-                    except json.JSONDecodeError as e:
-                        raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                        obj = json.loads(raw)  # UTF-8 bytes
+                    except ValueError as e:  # not JSON, or not UTF-8
+                        raise UserError(f"{path}:{lineno}: not valid JSON ({e})") from None
                     if not isinstance(obj, dict) or text_column not in obj:
                         keys = ', '.join(obj) if isinstance(obj, dict) else type(obj).__name__
                         raise UserError(f"{path}:{lineno}: no key {text_column!r}; keys: {keys} "
@@ -126,16 +123,12 @@ def iter_hf(dataset, name, text_column, streaming, skip):
     try:
         ds = datasets.load_dataset(dataset, name=name, split='train', streaming=streaming)
     except Exception as e:  # offline, a typo, no such config: one line that says which
-        raise UserError(f"--dataset {dataset!r} is no local file, folder or glob, and loading it from the HF hub "
-                        f"failed: {type(e).__name__}: {str(e)[:300]}") from None
-    if ds.column_names is not None and text_column not in ds.column_names:
-        raise UserError(f"{dataset}: no column {text_column!r}; columns: {', '.join(ds.column_names)} "
-                        f"(choose one with --text_column)")
-    if skip:
-        ds = ds.skip(skip)
-    for i, example in enumerate(ds, skip):
-        if text_column not in example:
-            raise UserError(f"{dataset} document {i}: no column {text_column!r}; columns: {', '.join(example)}")
+        raise UserError(f"--dataset {dataset!r} is no local file, folder or glob, and loading it from the HF "
+                        f"hub failed: {type(e).__name__}: {str(e)[:300]}") from None
+    for i, example in enumerate(ds.skip(skip) if skip else ds, skip):
+        if text_column not in example:  # a streamed dataset may know its columns only from its documents
+            raise UserError(f"{dataset}: no column {text_column!r}; columns: {', '.join(example)} (document "
+                            f"{i}; choose one with --text_column)")
         yield check_text(example[text_column], f"{dataset} document {i}")
 
 
@@ -145,8 +138,8 @@ def demo_files():
     stdlib = sysconfig.get_paths()['stdlib']
     files = []
     for root, dirs, names in os.walk(stdlib):
-        dirs[:] = [d for d in dirs if d not in ('site-packages', 'dist-packages', 'test', 'tests', 'idle_test',
-                                                '__pycache__', 'pydoc_data', 'encodings')]
+        dirs[:] = [d for d in dirs if d not in ('site-packages', 'dist-packages', 'test', 'tests',
+                                                'idle_test', '__pycache__', 'pydoc_data', 'encodings')]
         files += [os.path.join(root, n) for n in names if n.endswith('.py')]
     return sorted(files, key=lambda p: os.path.relpath(p, stdlib))
 
@@ -158,23 +151,22 @@ def iter_demo():
     of whole files would give each small step one module; pieces give it a mix, and the val shard
     comes from the same mix as the train shards."""
     pieces = []
-    for source in demo_files() + sorted(sys.builtin_module_names):
-        if source in sys.builtin_module_names:
-            module = __import__(source)
-            pieces.append(f"{source}: {module.__doc__ or ''}")
-            for attr in sorted(dir(module)):
-                # functions and classes, not live objects (sys.stdout); a hook the running program
-                # may replace (sys.excepthook under pytest) as originally installed (sys.__excepthook__)
-                obj = getattr(module, f"__{attr}__", getattr(module, attr))
-                if not attr.startswith('_') and (inspect.isroutine(obj) or inspect.isclass(obj)) and obj.__doc__:
-                    pieces.append(f"{source}.{attr}: {obj.__doc__}")
-            continue
-        with open(source, 'rb') as f:
+    for path in demo_files():
+        with open(path, 'rb') as f:
             data = f.read()
         try:
             pieces += [p for p in data.decode('utf-8').split('\n\n\n') if p.strip()]
         except UnicodeDecodeError:
-            continue  # none in CPython's stdlib; skipped the same way every time
+            pass  # none in CPython's stdlib; skipped the same way every time
+    for name in sorted(sys.builtin_module_names):
+        module = __import__(name)
+        pieces.append(f"{name}: {module.__doc__ or ''}")
+        for attr in sorted(dir(module)):
+            # functions and classes, not live objects (sys.stdout); a hook the running program
+            # may replace (sys.excepthook under pytest) as originally installed (sys.__excepthook__)
+            obj = getattr(module, f"__{attr}__", getattr(module, attr))
+            if not attr.startswith('_') and (inspect.isroutine(obj) or inspect.isclass(obj)) and obj.__doc__:
+                pieces.append(f"{name}.{attr}: {obj.__doc__}")
     random.Random(0).shuffle(pieces)
     yield from pieces
 
@@ -183,9 +175,7 @@ def iter_demo():
 # tokens and shards
 
 def tokenize(text):
-    tokens = np.array([EOT] + get_gpt2_encoding().encode_ordinary(text))
-    assert (0 <= tokens).all() and (tokens < 2 ** 16).all(), "token ids must fit in uint16"
-    return tokens.astype(np.uint16)
+    return np.array([EOT, *get_gpt2_encoding().encode_ordinary(text)], dtype=np.uint16)  # GPT-2's ids fit
 
 
 def tokenized(docs, pool, batch=1024):
@@ -202,59 +192,39 @@ def save_manifest(out_dir, manifest):
     atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 
-def shard_prefix(args):
-    """The start of the shards' names: build-nanogpt's for FineWeb-Edu, else one that says what they
-    hold (the trainer globs *_{split}_*.npy, so no '_' in it; the manifest names the dataset fully)."""
-    if args.demo or is_local(args.dataset):
-        return 'demo' if args.demo else 'local'
-    if args.dataset == FINEWEB_EDU:
-        return 'edufineweb'
-    return ''.join(c for c in args.dataset.split('/')[-1].lower() if c.isalnum()) or 'data'
-
-
-def shard_name(prefix, index):
-    return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.npy"
-
-
 def open_output(out_dir, fingerprint):
     """The manifest of out_dir: a fresh one, or the one of an earlier run with the same arguments."""
-    path = os.path.join(out_dir, MANIFEST)
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                manifest = json.load(f)
-        except ValueError as e:
-            raise UserError(f"{path}: unreadable ({e}): delete {out_dir} and start again") from None
-        if not manifest['shards']:  # an earlier run stopped before its first shard
-            return {'args': fingerprint, 'shards': [], 'complete': False}
-        if manifest['args'] != fingerprint:
-            diff = [f"{k}: {manifest['args'].get(k)!r} there, {fingerprint.get(k)!r} now"
-                    for k in sorted(set(fingerprint) | set(manifest['args']))
-                    if manifest['args'].get(k) != fingerprint.get(k)]
-            raise UserError(f"{out_dir} holds shards made with other arguments ({'; '.join(diff)[:500]}): "
-                            f"delete the folder or choose another --out_dir")
-        for shard in manifest['shards']:
-            p = os.path.join(out_dir, shard['file'])
-            if not os.path.isfile(p) or os.path.getsize(p) != shard['bytes']:
-                raise UserError(f"{p} is missing or changed since it was written: delete {out_dir} and start again")
-        return manifest
-    if glob.glob(os.path.join(out_dir, '*.npy')):
-        raise UserError(f"{out_dir} already holds .npy shards that this script did not record (no {MANIFEST}): "
-                        f"delete them or choose another --out_dir")
-    return {'args': fingerprint, 'shards': [], 'complete': False}
+    manifest = read_manifest(out_dir)
+    if manifest is None and glob.glob(os.path.join(out_dir, '*.npy')):
+        raise UserError(f"{out_dir} already holds .npy shards that this script did not record "
+                        f"(no {MANIFEST}): delete them or choose another --out_dir")
+    if manifest is None or not manifest['shards']:  # a new folder, or a run stopped before its first shard
+        return {'args': fingerprint, 'shards': [], 'complete': False}
+    old = manifest['args']
+    if old != fingerprint:
+        diff = [f"{k}: {old.get(k)!r} there, {fingerprint.get(k)!r} now"
+                for k in sorted(set(fingerprint) | set(old)) if old.get(k) != fingerprint.get(k)]
+        raise UserError(f"{out_dir} holds shards made with other arguments ({'; '.join(diff)[:500]}): "
+                        f"delete the folder or choose another --out_dir")
+    for shard in manifest['shards']:
+        p = os.path.join(out_dir, shard['file'])
+        if not os.path.isfile(p) or os.path.getsize(p) != shard['bytes']:
+            raise UserError(f"{p} is missing or changed since it was written: delete {out_dir} and start "
+                            f"again")
+    return manifest
 
 
 def build(docs, out_dir, manifest, shard_size, max_tokens, num_proc):
     """Write the remaining shards of the token stream of docs (resumed where the manifest ends),
-    named with manifest['prefix']."""
+    named with manifest['prefix']; (tokens in all shards, documents read by this run)."""
     shards = manifest['shards']
-    start_doc, start_offset = (shards[-1]['next_doc'], shards[-1]['next_offset']) if shards else (0, 0)
+    doc_i, offset = (shards[-1]['next_doc'], shards[-1]['next_offset']) if shards else (0, 0)
     total = sum(s['tokens'] for s in shards)
     buf = np.empty(shard_size, dtype=np.uint16)
-    filled = 0  # tokens in buf
+    filled = n_docs = 0  # tokens in buf; documents read
 
     def write_shard(next_doc, next_offset):
-        name = shard_name(manifest['prefix'], len(shards))
+        name = f"{manifest['prefix']}_{'train' if shards else 'val'}_{len(shards):06d}.npy"
         atomic_write(os.path.join(out_dir, name), lambda f: np.save(f, buf[:filled]))
         shards.append({'file': name, 'tokens': filled, 'bytes': os.path.getsize(os.path.join(out_dir, name)),
                        'next_doc': next_doc, 'next_offset': next_offset})
@@ -262,25 +232,20 @@ def build(docs, out_dir, manifest, shard_size, max_tokens, num_proc):
 
     from tqdm import tqdm
     bar = tqdm(total=max_tokens or None, initial=total, unit='tok', unit_scale=True, dynamic_ncols=True)
-    t0, n_docs = time.time(), 0
     with (mp.Pool(num_proc) if num_proc > 1 else contextlib.nullcontext()) as pool:
-        doc_i = start_doc
-        for doc_i, tokens in enumerate(tokenized(docs, pool), start_doc):
-            offset = start_offset if doc_i == start_doc else 0  # the part an earlier shard holds
+        for doc_i, tokens in enumerate(tokenized(docs, pool), doc_i):
             end = len(tokens) if not max_tokens else min(len(tokens), offset + max_tokens - total - filled)
+            bar.update(end - offset)
             while offset < end:
                 take = min(shard_size - filled, end - offset)
                 buf[filled:filled + take] = tokens[offset:offset + take]
                 filled, offset = filled + take, offset + take
                 if filled == shard_size:
-                    done = offset == len(tokens)
                     total += filled
+                    done = offset == len(tokens)
                     write_shard(doc_i + 1 if done else doc_i, 0 if done else offset)
                     filled = 0
-            bar.update(end - (start_offset if doc_i == start_doc else 0))
-            n_docs += 1
-            if n_docs % 256 == 0:
-                bar.set_postfix(docs_per_s=f"{n_docs / (time.time() - t0):.0f}")
+            offset, n_docs = 0, n_docs + 1  # only the first document may begin in an earlier shard
             if max_tokens and total + filled >= max_tokens:
                 break
     bar.close()
@@ -293,16 +258,20 @@ def build(docs, out_dir, manifest, shard_size, max_tokens, num_proc):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--dataset', default=FINEWEB_EDU,
-                   help="HF dataset name, or local .parquet/.jsonl/.txt files: a file, a folder or a quoted glob "
-                        "(default: %(default)s)")
-    p.add_argument('--name', default='sample-10BT', help="HF dataset config: sample-10BT, sample-100BT, ... "
-                                                         "(default: %(default)s; ignored for local files)")
-    p.add_argument('--text_column', default='text', help="column (parquet, HF) or key (jsonl) holding the text; "
-                                                         ".txt files are one document each (default: %(default)s)")
-    p.add_argument('--out_dir', default=None, help="output folder (default: edu_fineweb10B, demo_stdlib with --demo)")
+                   help="HF dataset name, or local .parquet/.jsonl/.txt files: a file, a folder or a quoted "
+                        "glob (default: %(default)s)")
+    p.add_argument('--name', default='sample-10BT',
+                   help="HF dataset config: sample-10BT, sample-100BT, ... (default: %(default)s; ignored "
+                        "for local files)")
+    p.add_argument('--text_column', default='text',
+                   help="column (parquet, HF) or key (jsonl) holding the text; .txt files are one document "
+                        "each (default: %(default)s)")
+    p.add_argument('--out_dir', default=None,
+                   help="output folder (default: edu_fineweb10B, demo_stdlib with --demo)")
     p.add_argument('--shard_size', type=int, default=None,
                    help="tokens per shard (default: 100,000,000; 500,000 with --demo)")
-    p.add_argument('--num_proc', type=int, default=os.cpu_count(), help="tokenizer processes (default: all cores)")
+    p.add_argument('--num_proc', type=int, default=os.cpu_count(),
+                   help="tokenizer processes (default: all cores)")
     p.add_argument('--streaming', action='store_true',
                    help="HF only: tokenize while downloading, without keeping the raw dataset on disk")
     p.add_argument('--max_tokens', type=int, default=0, help="stop after this many tokens (default: 0, all)")
@@ -322,23 +291,26 @@ def run(args):
     shard_size = args.shard_size or (500_000 if args.demo else 100_000_000)
     if shard_size <= 0 or args.max_tokens < 0 or args.num_proc <= 0:
         raise UserError("--shard_size and --num_proc must be positive, --max_tokens >= 0")
-    # what decides the bytes written (not streaming or num_proc): a rerun must match it to resume
+    # what decides the bytes written (not streaming or num_proc): a rerun must match it to resume.
+    # The prefix of the shards' names: build-nanogpt's for FineWeb-Edu, else one that says what they
+    # hold (the trainer globs *_{split}_*.npy, so no '_' in it; the manifest names the dataset fully).
     fingerprint = {'shard_size': shard_size, 'max_tokens': args.max_tokens}
     if args.demo:
-        files = demo_files()
-        fingerprint.update(demo=sys.version, demo_version=2, stdlib=sysconfig.get_paths()['stdlib'], files=len(files))
+        prefix, stdlib = 'demo', sysconfig.get_paths()['stdlib']
+        fingerprint.update(demo=sys.version, demo_version=2, stdlib=stdlib, files=len(demo_files()))
         open_docs = lambda skip: itertools.islice(iter_demo(), skip, None)
     elif is_local(args.dataset):
-        files = local_files(args.dataset)
+        prefix, files = 'local', local_files(args.dataset)
         check_parquet_columns(files, args.text_column)
         fingerprint.update(text_column=args.text_column, files=files_digest(files))
         open_docs = lambda skip: itertools.islice(iter_local(files, args.text_column), skip, None)
     else:
+        name = ''.join(c for c in args.dataset.split('/')[-1].lower() if c.isalnum()) or 'data'
+        prefix = 'edufineweb' if args.dataset == FINEWEB_EDU else name
         fingerprint.update(dataset=args.dataset, name=args.name, text_column=args.text_column)
         open_docs = lambda skip: iter_hf(args.dataset, args.name, args.text_column, args.streaming, skip)
 
-    manifest = open_output(out_dir, fingerprint) if os.path.isdir(out_dir) else \
-        {'args': fingerprint, 'shards': [], 'complete': False}
+    manifest = open_output(out_dir, fingerprint)
     done = list(manifest['shards'])  # finished by an earlier run
     if manifest['complete']:
         print(f"{out_dir} is complete already: reused all {len(done)} shards "
@@ -350,34 +322,27 @@ def run(args):
     if first is None and not done:
         raise UserError(f"{'the demo corpus' if args.demo else args.dataset}: no documents")
     os.makedirs(out_dir, exist_ok=True)
-    for tmp in glob.glob(os.path.join(out_dir, '*.npy.tmp*')) + glob.glob(os.path.join(out_dir, MANIFEST + '.tmp*')):
-        # left by a killed run
-        os.remove(tmp)
+    for pattern in ('*.npy.tmp*', MANIFEST + '.tmp*'):  # what a killed run left
+        for tmp in glob.glob(os.path.join(out_dir, pattern)):
+            os.remove(tmp)
     if done:
-        print(f"resuming: reused {len(done)} finished shards ({sum(s['tokens'] for s in done):,} tokens) in {out_dir}, "
-              f"continuing at document {skip:,}")
+        print(f"resuming: reused {len(done)} finished shards ({sum(s['tokens'] for s in done):,} tokens) in "
+              f"{out_dir}, continuing at document {skip:,}")
     save_manifest(out_dir, manifest)
 
     t0 = time.time()
-    docs = itertools.chain([first], docs) if first is not None else iter(())  # none left: killed before 'complete'
+    docs = itertools.chain([] if first is None else [first], docs)  # none left: killed before 'complete'
     # resumed: the names it began with (an older fineweb.py's folder holds edufineweb_ shards of any data)
-    manifest['prefix'] = done[0]['file'].rsplit('_val_', 1)[0] if done else shard_prefix(args)
+    manifest['prefix'] = done[0]['file'].rsplit('_val_', 1)[0] if done else prefix
     total, n_docs = build(docs, out_dir, manifest, shard_size, args.max_tokens, args.num_proc)
     manifest['complete'] = True
     save_manifest(out_dir, manifest)
-    print(f"done: {total:,} tokens in {len(manifest['shards'])} shards ({len(manifest['shards']) - len(done)} new) "
-          f"in {out_dir}; this run: {n_docs:,} documents in {time.time() - t0:.1f} s{peak_memory()}")
-    if len(manifest['shards']) == 1:
-        print(f"warning: only the val shard was written; train_gpt2.py also needs train shards: lower --shard_size")
-
-
-def peak_memory():
-    try:
-        import resource  # Unix only
-    except ImportError:
-        return ""
-    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-    return f", peak memory of one process {peak / (2 ** 20 if sys.platform == 'darwin' else 2 ** 10):,.0f} MiB"
+    n_shards = len(manifest['shards'])
+    print(f"done: {total:,} tokens in {n_shards} shards ({n_shards - len(done)} new) in {out_dir}; this run: "
+          f"{n_docs:,} documents in {time.time() - t0:.1f} s")
+    if n_shards == 1:
+        print("warning: only the val shard was written; train_gpt2.py also needs train shards: lower "
+              "--shard_size")
 
 
 def files_digest(files):

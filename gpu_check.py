@@ -5,9 +5,9 @@ GPU check: the real launch path on one GPU, measured.
 
 Runs `torchrun --standalone --nproc_per_node=1 train_gpt2.py` (NCCL on CUDA) with the default
 124M config, dtype="auto" (bf16 from Ampere on, float16 with loss scaling before; --dtype=float16
-checks the loss scaling on any GPU) and compile=True, for 30 steps on random-token shards written to a temporary
-folder, then prints the trainer's tok/s (median of the steps after compilation) and the model
-FLOPs utilisation against this GPU's bf16 matmul rate, measured in the same run. Extra
+checks the loss scaling on any GPU) and compile=True, for 30 steps on random-token shards written to
+a temporary folder, then prints the trainer's tok/s (median of the steps after compilation) and the
+model FLOPs utilisation against this GPU's bf16 matmul rate, measured in the same run. Extra
 --key=value arguments go to the trainer too (e.g. --B=32 on a smaller GPU).
 
 Then the resume path on the GPU (CUDA RNG state, fused AdamW state, NCCL): the run's checkpoint
@@ -17,55 +17,49 @@ bit-exact on a GPU; on CPU in float32 the tests require bit equality). With --pa
 same runs go through FSDP2 (one process is one shard: the code path of many GPUs, on one).
 
 Last, unless --check_evals=0, the time of the trainer's two evals at the default sizes, in this
-process: the val loss over val_tokens (default 10M tokens; compiled, as the trainer runs it) and HellaSwag over
-check_evals synthetic examples (default 10,042, the val split's count; as long as its first ones).
+process: the val loss over val_tokens (default 10M tokens; compiled, as the trainer runs it) and
+HellaSwag over check_evals synthetic examples (default 10,042, the val split's count; as long as its
+first ones).
 """
 import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 import torch
 
 import hellaswag
+from bench import print_flops, run_python, seconds, synthetic_shard
 from gptkit import memory
 import train_gpt2
 from gptkit.configurator import parse_config
 from gptkit.common import UserError
-from gptkit.hardware import choose_precision, matmul_flops, sync
-from model import GPT, GPTConfig, flops_per_token
+from gptkit.hardware import choose_precision
+from gptkit.run_record import device_name
+from model import GPT, GPTConfig
 from gptkit.tokenizer import N_VOCAB
+from plot import read_log
 
 
-def time_evals(c, config, device, n_examples):
+def time_evals(c, device, n_examples):
     """Seconds of one val eval over c['val_tokens'] random tokens (torch.compile'd, after a warm-up
     that compiles it) and of one HellaSwag eval over n_examples synthetic examples (eager, as the
     trainer runs it), on a fresh model of the run's shape."""
     torch.manual_seed(0)
-    model = GPT(config).to(device)
+    model = GPT(GPTConfig.from_dict(c)).to(device)
     compiled = torch.compile(model, dynamic=False) if c['compile'] else model  # as the trainer compiles it
-    tokens = np.random.default_rng(0).integers(0, N_VOCAB, c['val_tokens'] // c['T'] * c['T'] + 1).astype(np.uint16)
+    n_tokens = c['val_tokens'] // c['T'] * c['T'] + 1
+    tokens = np.random.default_rng(0).integers(0, N_VOCAB, n_tokens).astype(np.uint16)
     args = (c['B'], c['T'], device, c['dtype'])
     train_gpt2.evaluate(compiled, tokens[:2 * c['B'] * c['T'] + 1], *args)  # compiles
-    sync(device)
-    t0 = time.perf_counter()
-    train_gpt2.evaluate(compiled, tokens, *args)
-    sync(device)
-    val_s = time.perf_counter() - t0
-    with tempfile.TemporaryDirectory() as tmp:
-        hellaswag.write_synthetic(os.path.join(tmp, 'h.jsonl'), n_examples)
-        rendered = [hellaswag.render_example(e) for e in hellaswag.iterate_examples(file=os.path.join(tmp, 'h.jsonl'))]
+    val_s, _ = seconds(device, lambda: train_gpt2.evaluate(compiled, tokens, *args))
+    rendered = [hellaswag.render_example(e) for e in hellaswag.synthetic_examples(n_examples)]
     hellaswag.evaluate(model, rendered[:64], device, c['dtype'])  # warm-up
-    sync(device)
-    t0 = time.perf_counter()
-    hellaswag.evaluate(model, rendered, device, c['dtype'])
-    sync(device)
-    return val_s, time.perf_counter() - t0
+    hella_s, _ = seconds(device, lambda: hellaswag.evaluate(model, rendered, device, c['dtype']))
+    return val_s, hella_s
 
 
 def main():
@@ -74,26 +68,23 @@ def main():
         c = parse_config(sys.argv[1:], defaults, __doc__)
     except UserError as e:
         sys.exit(f"error: {e}")
-    eval_tokens, n_hella = c['val_tokens'], c['check_evals']  # for the evals' timing (the runs' evals are small)
-    mine = [a for a in sys.argv[1:] if not a.startswith(('--check_evals=', '--val_tokens='))]  # the rest: to the trainer
-    overrides = ["--max_steps=30", "--eval_interval=10", f"--val_tokens={c['total_batch_size']}", "--hellaswag=False",
-                 "--sample_interval=0", "--checkpoint_interval=10", "--keep_checkpoints=0",
-                 "--dtype=auto", "--compile=True", *mine]
+    eval_tokens, n_hella = c['val_tokens'], c['check_evals']  # for the evals' timing (the runs' are small)
+    mine = ('--check_evals=', '--val_tokens=')  # the rest of the arguments go to the trainer
+    overrides = ["--max_steps=30", "--eval_interval=10", f"--val_tokens={c['total_batch_size']}",
+                 "--hellaswag=False", "--sample_interval=0", "--checkpoint_interval=10",
+                 "--keep_checkpoints=0", "--dtype=auto", "--compile=True",
+                 *(a for a in sys.argv[1:] if not a.startswith(mine))]
     c = parse_config(overrides, defaults)
     with tempfile.TemporaryDirectory() as tmp:
-        rng = np.random.default_rng(0)
-        step_tokens = c['total_batch_size']
         for name in ("synthetic_val_000000", "synthetic_train_000001", "synthetic_train_000002"):
-            np.save(os.path.join(tmp, name + ".npy"), rng.integers(0, N_VOCAB, 2 * step_tokens + 1, dtype=np.uint16))
+            synthetic_shard(tmp, 2 * c['total_batch_size'] + 1, name)
 
         def launch(log_dir):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_gpt2.py",
-                   f"--data_root={tmp}", f"--log_dir={log_dir}", *overrides]
-            print("running:", " ".join(cmd), flush=True)
-            out = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+            args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_gpt2.py",
+                    f"--data_root={tmp}", f"--log_dir={log_dir}", *overrides]
+            print("running: python", " ".join(args), flush=True)
+            out, _ = run_python(args, "the trainer")  # a failure: the end of its stderr
             print(out.stdout[-3000:], out.stderr[-3000:], sep="\n")
-            if out.returncode != 0:
-                sys.exit(f"trainer failed with exit code {out.returncode}")
             return out
 
         out = launch(os.path.join(tmp, 'log'))
@@ -101,33 +92,27 @@ def main():
         shutil.copy(os.path.join(tmp, 'log', 'model_00010.pt'), os.path.join(tmp, 'resumed'))
         resumed = launch(os.path.join(tmp, 'resumed'))
         assert "resuming from" in resumed.stdout
-        logs = [{int(s): float(v) for s, v in re.findall(r"^(\d+) train (\S+)$", open(os.path.join(tmp, d, 'log.txt')).read(), re.M)}
-                for d in ('log', 'resumed')]
+        logs = [dict(zip(*read_log(os.path.join(tmp, d))['train'])) for d in ('log', 'resumed')]
         loss_diff = max(abs(logs[0][s] - logs[1][s]) for s in range(10, 30))
-        a, b = (torch.load(os.path.join(tmp, d, 'model_00030.pt'), map_location='cpu', weights_only=True)['model']
-                for d in ('log', 'resumed'))
+        a, b = (torch.load(os.path.join(tmp, d, 'model_00030.pt'), map_location='cpu',
+                           weights_only=True)['model'] for d in ('log', 'resumed'))
         param_diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     rates = [float(r) for r in re.findall(r"tok/sec (\d+\.\d+)", out.stdout)]
     first_dt = float(re.search(r"dt (\d+\.\d+)ms", out.stdout).group(1)) / 1000
     steady = rates[len(rates) // 3:]  # the first steps compile
     tok_per_s = statistics.median(steady)
-    _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'], c['collective_timeout'])  # as the trainer
+    _, _, device = train_gpt2.setup_device(c['device'])  # one process: no DDP, and a GPU
     c = choose_precision(c, device)  # the precision the run used
     c = memory.micro_batch_of(c, device)  # B="auto": the trainer's choice, printed
-    peak = matmul_flops(device, c['dtype'])
-    config = GPTConfig.from_dict(c)
-    fpt = flops_per_token(config, c['T'])
-    name = torch.cuda.get_device_name() if device.startswith('cuda') else device
-    print(f"device: {name}")
+    print(f"device: {device_name(device)}")
     print(f"tok/s (median of steps {len(rates) - len(steady)}..{len(rates) - 1}): {tok_per_s:,.0f}")
-    print(f"model FLOPs/token: {fpt / 1e6:.1f} MFLOP; achieved {tok_per_s * fpt / 1e12:.1f} TFLOP/s")
-    print(f"{c['dtype']} matmul, measured now: {peak / 1e12:.1f} TFLOP/s")
-    print(f"MFU: {tok_per_s * fpt / peak:.3f}")
-    print(f"first step, compilation included: {first_dt:.1f} s (a step: {c['total_batch_size'] / tok_per_s:.2f} s)")
+    print_flops(c, device, tok_per_s)
+    print(f"first step, compilation included: {first_dt:.1f} s "
+          f"(a step: {c['total_batch_size'] / tok_per_s:.2f} s)")
     print(f"resume from step 10 to 30 vs uninterrupted: max |train loss diff| {loss_diff:.2e}, "
           f"max |weight diff| {param_diff:.2e}")
     if n_hella:
-        val_s, hella_s = time_evals(dict(c, val_tokens=eval_tokens), config, device, n_hella)
+        val_s, hella_s = time_evals(dict(c, val_tokens=eval_tokens), device, n_hella)
         print(f"val eval, {eval_tokens:,} tokens at B={c['B']}: {val_s:.1f} s; "
               f"HellaSwag eval, {n_hella:,} synthetic examples: {hella_s:.1f} s")
 

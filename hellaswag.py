@@ -12,7 +12,6 @@ over the ending, right-padded), so the figures compare with its published ones.
 """
 import argparse
 import contextlib
-import functools
 import http.client
 import json
 import os
@@ -20,16 +19,13 @@ import random
 import sys
 import urllib.request
 
-import numpy as np
 import torch
-import torch.nn as nn
-from torch.nn import functional as F
 
+from gptkit import cpu
 from gptkit.common import UserError, atomic_write
-from gptkit.cpu import reuse_freed_memory
 from gptkit.hardware import autocast, pick_device
-from model import PackedTokens, load_model
 from gptkit.tokenizer import N_VOCAB, get_gpt2_encoding
+from model import load_model
 
 URLS = {split: f"https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
         for split in ("train", "val", "test")}
@@ -101,117 +97,96 @@ def render_example(example):
     return tokens, mask, example['label']
 
 
-def prefix_tree(tokens, mask, block_size):
-    """One rendered example as a prefix tree of its 4 rows, (idx, pos, parent, targets): each
-    distinct prefix of the rows is one node, fed once (the context, and the first tokens that
-    endings share), with its token, position and parent node (-1 for none); a row's last token
-    is only predicted, never fed. targets: (node, token, row) per ending token, the node being the
-    one whose output predicts the token. A row longer than block_size loses context tokens from
-    the left; its ending must fit."""
-    idx, pos, parent, targets, node_of = [], [], [], [], {}
-    for r, (row, m) in enumerate(zip(tokens.tolist(), mask.tolist())):
-        start, n = m.index(1), len(m) - m[::-1].index(1)  # the ending is row[start:n]
-        cut = max(0, n - block_size)
-        if start < cut:
-            raise UserError(f"an ending of {n - start} tokens does not fit in block_size={block_size}")
-        row, start = row[cut:n], start - cut
-        node = -1
-        for j in range(len(row) - 1):
-            key = (node, row[j])  # the same token after the same prefix: the same node
-            if key not in node_of:
-                node_of[key] = len(idx)
-                idx.append(row[j])
-                pos.append(j)
-                parent.append(node)
-            node = node_of[key]
-            if j + 1 >= start:
-                targets.append((node, row[j + 1], r))
-    return idx, pos, parent, targets
+def rows_of(rendered, block_size):
+    """The rows of rendered examples, 4 per example, as (context, ending) token lists: the ending
+    (mask 1), and the context tokens before it. A row longer than block_size loses context tokens
+    from the left; its ending must fit."""
+    for tokens, mask, _ in rendered:
+        for row, m in zip(tokens.tolist(), mask.tolist()):
+            start, n = m.index(1), len(m) - m[::-1].index(1)  # the ending is row[start:n]
+            cut = max(0, n - block_size)
+            if start < cut:
+                raise UserError(f"an ending of {n - start} tokens does not fit in block_size={block_size}")
+            yield tuple(row[cut:start]), row[start:n]
 
 
-# torch.compile's CPU linear (oneDNN); absent from some builds
-FUSED_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, '_linear_pointwise')
+def by_length(fed, start, most_tokens):
+    """The keys of fed (per row, the tokens it feeds after a KV cache of start positions) in
+    batches of about one length: sorted by length, a batch padded to its longest adds at most 1/8
+    to its tokens, and holds at most most_tokens, the copies of the cache included."""
+    batch, real = [], 0
+    for r in sorted(fed, key=lambda r: len(fed[r])):
+        n, rows = len(fed[r]), len(batch) + 1
+        if batch and (n * rows > 1.125 * (real + n) or (start + n) * rows > most_tokens):
+            yield batch
+            batch, real = [], 0
+        batch.append(r)
+        real += n
+    if batch:
+        yield batch
 
 
-def onednn_linear(layer, x):
-    """layer(x) through oneDNN (blocks_through_onednn routes a layer here only on CPU in float32)."""
-    return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+def ending_states(model, batch, of_context, rows, device, most_tokens):
+    """For a batch of contexts, shortest first: the final hidden states h (N, n_embd) that predict
+    their rows' ending tokens, and per ending token (its row of h, the token, its row). The first
+    P tokens of every context (P: the shortest's length) go through the model once, into a KV
+    cache; each row goes on from there (start_pos=P) with the rest of its context and its ending."""
+    P, states, scored = len(batch[0]), [], []
+    context_of = {r: j for j, context in enumerate(batch) for r in of_context[context]}
+    if P:  # the position P - 1 predicts the first ending token of the rows whose context ends there
+        cache = model.new_kv_cache(len(batch), P)
+        states.append(model.hidden_states(torch.tensor([c[:P] for c in batch], device=device), cache)[:, -1])
+        scored += [(context_of[r], rows[r][1][0], r) for r in context_of if len(rows[r][0]) == P]
+    seqs = {r: list(rows[r][0]) + rows[r][1] for r in context_of}
+    fed = {r: seq[P:-1] for r, seq in seqs.items() if len(seq) > P + 1}  # the last token is only predicted
+    for part in by_length(fed, P, most_tokens):
+        n, T, keep = sum(map(len, states)), len(fed[part[-1]]), []
+        idx = torch.zeros(len(part), T, dtype=torch.long)  # right-padded: the padding comes after, unseen
+        for k, r in enumerate(part):
+            idx[k, :len(fed[r])] = torch.tensor(fed[r])
+            first = max(len(rows[r][0]) - 1 - P, 0)  # fed[first] predicts an ending token: the first one here
+            scored += [(n + len(keep) + i, token, r) for i, token in enumerate(seqs[r][P + first + 1:])]
+            keep += range(k * T + first, k * T + len(fed[r]))
+        kv = model.new_kv_cache(len(part), P + T)
+        if P:  # each row's first P positions, copied from the contexts' cache
+            which = torch.tensor([context_of[r] for r in part], device=device)
+            for layer, context_layer in zip(kv, cache):
+                layer[:, :, :, :P] = context_layer[:, which]
+        h = model.hidden_states(idx.to(device), kv, start_pos=P).flatten(0, 1)  # (len(part) * T, n_embd)
+        states.append(h[torch.tensor(keep, device=device)])
+    return torch.cat(states), scored
 
 
-@contextlib.contextmanager
-def blocks_through_onednn(model):
-    """Within it, the nn.Linear layers of the model's blocks multiply through oneDNN on CPU in
-    float32: HellaSwag scores faster than with torch's default float32 matmul (MKL, which keeps
-    to AVX2 on AMD CPUs). The GELU stays the model's own pass (oneDNN's fused GELU epilogue was
-    no faster), and the output layer keeps torch's matmul (token_losses). docs/benchmarks.md has
-    the figures. The layers' own forward is back on the way out."""
-    w = model.lm_head.weight
-    on = FUSED_LINEAR and w.is_cpu and w.dtype == torch.float32 and not torch.is_autocast_enabled('cpu')
-    layers = [m for m in model.transformer.h.modules() if isinstance(m, nn.Linear)] if on else []  # else as it is
-    before = [layer.__dict__.get('forward') for layer in layers]  # None: the class's (nested use keeps the outer)
-    try:
-        for layer in layers:
-            layer.forward = functools.partial(onednn_linear, layer)  # the instance's, before the class's
-        yield
-    finally:
-        for layer, forward in zip(layers, before):
-            if forward is None:
-                del layer.forward
-            else:
-                layer.forward = forward
-
-
-def token_losses(model, h, rows, targets, device, dtype):
-    """-log p(targets[i]) from the output layer applied to h[rows[i]] (h: (N, n_embd)), in
-    float32. On CPU the logits go 512 words of the vocabulary at a time: each (N, 512) block
-    stays in cache from the matmul through its log-sum-exp (faster than whole rows:
-    docs/benchmarks.md), and a target's logit is picked from its block."""
-    weight = model.lm_head.weight  # (vocab, n_embd); the output layer has no bias
-    V = weight.size(0)
-    chunk = 512 if h.device.type == 'cpu' else V
-    lse = torch.empty(len(h), (V + chunk - 1) // chunk, device=device)
-    picked = torch.empty(len(targets), device=device)
-    for c, v in enumerate(range(0, V, chunk)):
-        with autocast(device, dtype):  # torch's own matmul (MKL) here: faster than oneDNN for these thin products
-            logits = F.linear(h, weight[v:v + chunk])
-        logits = logits.float()  # no copy in float32
-        lse[:, c] = torch.logsumexp(logits, dim=1)
-        here = (targets >= v) & (targets < v + chunk)
-        picked[here] = logits[rows[here], targets[here] - v]
-    return torch.logsumexp(lse, dim=1)[rows] - picked
+def token_losses(model, h, at, targets):
+    """-log p(targets[i]) from the output layer applied to h[at[i]], in float32."""
+    if h.is_cpu:  # the CPU's way: the vocabulary in blocks that stay in cache (gptkit/cpu.py)
+        return cpu.token_losses(h, model.lm_head.weight, at, targets)
+    logits = model.lm_head(h).float()  # (N, vocab)
+    return torch.logsumexp(logits, dim=1)[at] - logits[at, targets]
 
 
 @torch.no_grad()
-def ending_losses(model, rendered, device, dtype="float32"):
-    """(sum, mean) losses (4 * len(rendered),) of the endings of several rendered examples, in one
-    forward. Each example is packed as its prefix tree (the context once, then each ending's
-    tokens attending to the context and to themselves, at their positions in the row), the trees
-    end to end, and the output layer applied only where an ending token is predicted, its
-    cross-entropy in float32."""
-    trees = [prefix_tree(tokens, mask, model.config.block_size) for tokens, mask, _ in rendered]
-    B, T = len(trees), max(len(idx) for idx, _, _, _ in trees)
-    allowed = np.zeros((B, T, T), dtype=bool)  # (B, T, T): row = a node, True at its ancestors and itself
-    allowed[:, range(T), range(T)] = True  # padding attends to itself only
-    idx, pos, slots, targets = [], [], [], []
-    for b, (i, p, parent, tg) in enumerate(trees):
-        see = allowed[b]
-        for node, up in enumerate(parent):  # parents come before their children: their rows are done
-            if up >= 0:
-                see[node, :up + 1] |= see[up, :up + 1]  # numpy rows: faster than torch's here
-        targets += [(len(idx) + node, token, 4 * b + r) for node, token, r in tg]
-        idx += i
-        pos += p
-        slots += range(b * T, b * T + len(i))
-    allowed = torch.from_numpy(allowed)
-    nodes, tokens, rows = torch.tensor(targets, device=device).T
-    used, at = torch.unique(nodes, return_inverse=True)  # the output layer once per predicting node
-    idx, pos, slots = (torch.tensor(a, device=device) for a in (idx, pos, slots))
-    packed = PackedTokens(pos, slots, allowed[:, None].to(device), keep=used)
-    with autocast(device, dtype), blocks_through_onednn(model):
-        h = model.hidden_states(idx, packed=packed)  # (len(used), n_embd)
-    losses = token_losses(model, h, at, tokens, device, dtype)
-    sum_loss = torch.zeros(4 * B, device=device).index_add_(0, rows, losses)
-    count = torch.zeros(4 * B, device=device).index_add_(0, rows, torch.ones_like(losses))
+def ending_losses(model, rendered, device, dtype="float32", batch_examples=32):
+    """(sum, mean) losses (4 * len(rendered),) of the endings of rendered examples: each ending
+    token's cross-entropy, in float32, after the tokens before it in its row. Each distinct context
+    goes through the model once, into a KV cache, with others of its length (batch_examples at a
+    time); its rows go on from that cache (start_pos: the context's length), rows of about one
+    length together. The output layer runs only where an ending token is predicted (for the
+    endings' first tokens once per context)."""
+    rows = list(rows_of(rendered, model.config.block_size))
+    of_context = {}  # a context -> its rows
+    for r, (context, _) in enumerate(rows):
+        of_context.setdefault(context, []).append(r)
+    contexts = sorted(of_context, key=len)  # of about one length together
+    batches = [contexts[i:i + batch_examples] for i in range(0, len(contexts), batch_examples)]
+    sum_loss, count = torch.zeros(len(rows), device=device), torch.zeros(len(rows), device=device)
+    with autocast(device, dtype), cpu.blocks_through_onednn(model):  # CPU, float32: oneDNN's matmul
+        for batch in batches:
+            h, scored = ending_states(model, batch, of_context, rows, device, 256 * batch_examples)
+            at, targets, owner = torch.tensor(scored, device=device).view(-1, 3).T
+            losses = token_losses(model, h, at, targets)
+            sum_loss.index_add_(0, owner, losses)
+            count.index_add_(0, owner, torch.ones_like(losses))
     return sum_loss, sum_loss / count
 
 
@@ -223,20 +198,11 @@ def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_ex
     if long and rank == 0:
         print(f"hellaswag: {long} examples are longer than block_size={model.config.block_size}: "
               f"their contexts lose tokens from the left")
-    # examples of about the same size share a forward: little padding
-    mine = sorted(mine, key=lambda r: int(r[1].sum()) + int(r[1][0].argmax()))  # ending tokens + context
-    n = correct = correct_norm = 0
-    was_training = model.training
-    model.eval()
-    for i in range(0, len(mine), batch_examples):
-        batch = mine[i:i + batch_examples]
-        sum_loss, avg_loss = ending_losses(model, batch, device, dtype)
-        labels = torch.tensor([label for _, _, label in batch], device=device)
-        correct += int((sum_loss.view(-1, 4).argmin(1) == labels).sum())
-        correct_norm += int((avg_loss.view(-1, 4).argmin(1) == labels).sum())
-        n += len(batch)
-    model.train(was_training)
-    return n, correct, correct_norm
+    sum_loss, avg_loss = ending_losses(model, mine, device, dtype, batch_examples)
+    labels = torch.tensor([label for _, _, label in mine], device=device, dtype=torch.long)
+    correct = int((sum_loss.view(-1, 4).argmin(1) == labels).sum())
+    correct_norm = int((avg_loss.view(-1, 4).argmin(1) == labels).sum())
+    return len(mine), correct, correct_norm
 
 
 def load_for_training(file, model):
@@ -305,7 +271,7 @@ def main(argv=None):
     except UserError as e:
         sys.exit(f"error: {e}")
     if device == 'cpu':
-        reuse_freed_memory()  # no page faults per forward (docs/benchmarks.md)
+        cpu.reuse_freed_memory()  # no page faults per forward (docs/benchmarks.md)
     if args.limit:
         examples = examples[:args.limit]
     try:

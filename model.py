@@ -13,12 +13,13 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from gptkit import cpu
 from gptkit.tokenizer import N_VOCAB
 
 OPENAI_MODELS = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')  # through HF transformers
 # HF's GPT-2 keeps these weights as Conv1D, (in, out); nn.Linear holds (out, in)
 HF_CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
-HF_MASK_BUFFERS = ('.attn.bias', '.attn.masked_bias')  # HF's causal mask, saved by older versions: not weights
+HF_MASK_BUFFERS = ('.attn.bias', '.attn.masked_bias')  # HF's causal mask, in older saves: not weights
 
 
 @dataclass
@@ -36,87 +37,19 @@ class GPTConfig:
         return cls(**{f.name: d[f.name] for f in fields(cls)})
 
 
-class LinearCrossEntropy(torch.autograd.Function):
-    """Training loss: the mean cross-entropy of the output layer's logits h @ weight.T, which
-    computes their gradient in the forward pass. The logits (N, V) are the one large tensor: each
-    block of rows turns into softmax - onehot in place while it is in cache, and the backward is
-    two matmuls. F.linear + F.cross_entropy allocate and stream over four (N, V) tensors (logits,
-    log-probabilities, and two gradients) instead: on a CPU this step is faster and peaks lower
-    (bench.py; the figures are in docs/benchmarks.md). Same loss and gradients, to float rounding."""
-
-    @staticmethod
-    def forward(ctx, h, weight, targets):  # h (N, C), weight (V, C), targets (N,)
-        logits = F.linear(h, weight)  # (N, V), in autocast's dtype
-        N, V = logits.shape
-        rows = max(1, (2 ** 21 if logits.is_cpu else 2 ** 28) // V)  # CPU: ~8 MB of float32, in cache
-        loss = torch.zeros((), device=h.device)
-        for i in range(0, N, rows):
-            block = logits[i:i + rows]
-            x = block.float()  # block itself in float32, else a float32 copy: exp and sums in float32
-            t = targets[i:i + rows, None]
-            lse = torch.logsumexp(x, dim=1, keepdim=True)
-            loss += (lse - x.gather(1, t)).sum()
-            x.sub_(lse).exp_()  # softmax
-            x.scatter_add_(1, t, torch.full_like(t, -1, dtype=x.dtype))  # - onehot
-            if x is not block:
-                block.copy_(x)
-        # the 1/N and the loss scale wait for the backward: in float16, (softmax - onehot) / N
-        # of a large batch would underflow, as F.cross_entropy's gradient does before scaling
-        ctx.save_for_backward(h, weight, logits)
-        return loss / N
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        h, weight, grad = ctx.saved_tensors  # grad (N, V): softmax - onehot
-        scale = grad_loss / grad.size(0)
-        grad_h = (grad @ weight.to(grad.dtype)).mul_(scale)  # (N, C)
-        grad_w = grad.t() @ (h.to(grad.dtype) * scale)  # (V, C): h scaled first, as F.cross_entropy's float16 gradient
-        return grad_h.to(h.dtype), grad_w.to(weight.dtype), None
-
-
-class PackedTokens:
-    """Several sequences' tokens packed end to end, without padding, each attending to the tokens
-    a mask allows (for HellaSwag: prefix trees, where the endings share one copy of the context).
-    The per-token layers run on the N tokens as rows (N, n_embd); attention places them in a
-    (B, T) grid. keep: the tokens whose final hidden states are wanted (None: all); the last block
-    computes only those after its attention, as nothing reads the others."""
-
-    def __init__(self, pos, slots, mask, keep=None):
-        self.pos = pos  # (N,) each token's position in its sequence
-        self.slots = slots  # (N,) its place in the flattened grid, b * T + t
-        self.mask = mask  # (B, 1, T, T) bool: True where a token (row) attends to a key (column)
-        self.keep = keep  # (M,) indices into the N tokens, or None
-        self.grid = None  # (B * T, 3 * n_embd): q, k, v in the grid, shared by the blocks in turn
-
-    def qkv_in_grid(self, qkv, n_head):
-        """q, k, v (B, nh, T, hs) from the tokens' (N, 3 * n_embd). The grid's free slots stay zero
-        (every block writes the same slots) and attend to themselves only: the mask's diagonal."""
-        B, _, T, _ = self.mask.shape
-        if self.grid is None:
-            self.grid = qkv.new_zeros(B * T, qkv.size(1))
-        self.grid.index_copy_(0, self.slots, qkv)
-        return self.grid.view(B, T, 3, n_head, -1).permute(2, 0, 3, 1, 4)
-
-
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        assert config.n_embd % config.n_head == 0, f"n_embd={config.n_embd} must be divisible by n_head={config.n_head}"
+        assert config.n_embd % config.n_head == 0, \
+            f"n_embd={config.n_embd} must be divisible by n_head={config.n_head}"
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True  # writes into the residual stream: init scaled down
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
-    def forward(self, x, kv_cache=None, start_pos=0, packed=None, keep=None):
-        """x: (B, T, C); or with packed (a PackedTokens), the (N, C) rows of its tokens, and keep
-        the rows to return (None: all)."""
-        if packed is not None:
-            q, k, v = packed.qkv_in_grid(self.c_attn(x), self.n_head)  # (B, nh, T, hs)
-            B, _, T, _ = q.shape
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=packed.mask).transpose(1, 2).reshape(B * T, -1)
-            return self.c_proj(y[packed.slots if keep is None else packed.slots[keep]])
+    def forward(self, x, kv_cache=None, start_pos=0):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -158,11 +91,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None, start_pos=0, packed=None, keep=None):
-        """x: (B, T, C), or the (N, C) rows of packed tokens; keep: the rows to go on with after
-        attention (None: all)."""
-        y = self.attn(self.ln_1(x), kv_cache, start_pos, packed, keep)
-        x = (x if keep is None else x[keep]) + y
+    def forward(self, x, kv_cache=None, start_pos=0):
+        x = x + self.attn(self.ln_1(x), kv_cache, start_pos)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -193,40 +123,30 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def hidden_states(self, idx, kv_cache=None, start_pos=0, packed=None):
+    def hidden_states(self, idx, kv_cache=None, start_pos=0):
         """The final hidden states (B, T, n_embd), before the output layer. idx: (B, T) token ids;
-        kv_cache: None, or per layer a (2, B, nh, L, hs) buffer, L >= start_pos + T (see generate).
-        Or idx (N,) the tokens of packed (a PackedTokens), and the states (N or M, n_embd) of the
-        tokens it keeps."""
-        if packed is None:
-            B, T = idx.size()
-            if start_pos + T > self.config.block_size:
-                raise ValueError(f"sequence of length {start_pos + T} is longer than block_size={self.config.block_size}")
-            pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)  # (T,)
-        else:
-            pos = packed.pos  # (N,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd) or (N, n_embd)
-        last = len(self.transformer.h) - 1
+        kv_cache: None, or per layer a (2, B, nh, L, hs) buffer, L >= start_pos + T (see generate)."""
+        B, T = idx.size()
+        if start_pos + T > self.config.block_size:
+            raise ValueError(f"sequence of length {start_pos + T} is longer than "
+                             f"block_size={self.config.block_size}")
+        pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
         for i, block in enumerate(self.transformer.h):
-            keep = packed.keep if packed is not None and i == last else None
-            x = block(x, None if kv_cache is None else kv_cache[i], start_pos, packed, keep)
+            x = block(x, None if kv_cache is None else kv_cache[i], start_pos)
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None, kv_cache=None, start_pos=0, reduction='mean'):
         # idx: (B, T) token ids; targets: (B, T) or None, -1 where nothing is to be predicted;
         # reduction='none': the loss of each target, (B, T), 0 where it is -1
         h = self.hidden_states(idx, kv_cache, start_pos)  # (B, T, n_embd)
-        if (targets is not None and torch.is_grad_enabled() and h.device.type == 'cpu' and reduction == 'mean'
-                and not torch.compiler.is_compiling()):
-            # training on a CPU: the loss and its gradient in one pass over the logits, which are not
-            # returned (faster there: docs/benchmarks.md). Elsewhere F.cross_entropy, compiled or not:
-            # on a GPU, turning compile off changes no loss code (inductor fuses it by itself)
-            return None, LinearCrossEntropy.apply(h.view(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1))
+        if targets is not None and cpu.fused_loss_applies(h, reduction):  # training on a CPU: gptkit/cpu.py
+            return None, cpu.linear_cross_entropy(h, self.lm_head.weight, targets)  # the CPU's fused loss
         logits = self.lm_head(h)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1,
-                                   reduction=reduction)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1),
+                                   ignore_index=-1, reduction=reduction)
             loss = loss.view(targets.shape) if reduction == 'none' else loss
         return logits, loss
 
@@ -266,16 +186,17 @@ class GPT(nn.Module):
             try:
                 from transformers import GPT2LMHeadModel
             except ImportError as e:
-                raise ImportError(f"init from {name_or_dir!r} needs HF transformers: pip install transformers") from e
+                raise ImportError(f"init from {name_or_dir!r} needs HF transformers: "
+                                  f"pip install transformers") from e
             hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
             return cls.from_hf_state_dict(hf.config.to_dict(), hf.state_dict(), name_or_dir)
         if not os.path.isdir(name_or_dir):
-            raise FileNotFoundError(f"{name_or_dir!r} is neither an OpenAI GPT-2 name ({', '.join(OPENAI_MODELS)}) "
-                                    f"nor a directory")
+            raise FileNotFoundError(f"{name_or_dir!r} is neither an OpenAI GPT-2 name "
+                                    f"({', '.join(OPENAI_MODELS)}) nor a directory")
         config_path = os.path.join(name_or_dir, 'config.json')
         if not os.path.isfile(config_path):
-            raise FileNotFoundError(f"{config_path} not found: {name_or_dir} is not a HF GPT2LMHeadModel directory "
-                                    f"(save_pretrained writes config.json and model.safetensors)")
+            raise FileNotFoundError(f"{config_path} not found: {name_or_dir} is not a HF GPT2LMHeadModel "
+                                    f"directory (save_pretrained writes config.json and model.safetensors)")
         try:
             with open(config_path) as f:
                 hf_config = json.load(f)
@@ -288,14 +209,16 @@ class GPT(nn.Module):
         """Build a GPT from a HF GPT-2 config dict and state dict; errors name `source` and the key."""
         expected = {'model_type': ('gpt2',), 'activation_function': ('gelu_new', 'gelu_pytorch_tanh'),
                     'scale_attn_weights': (True,), 'scale_attn_by_inverse_layer_idx': (False,),
-                    'add_cross_attention': (False,), 'tie_word_embeddings': (True,), 'layer_norm_epsilon': (1e-5,)}
+                    'add_cross_attention': (False,), 'tie_word_embeddings': (True,),
+                    'layer_norm_epsilon': (1e-5,)}
         expected['n_inner'] = (None, 4 * hf_config.get('n_embd', 0))  # the MLP's width
         for key, allowed in expected.items():
             if hf_config.get(key, allowed[0]) not in allowed:
                 raise ValueError(f"{source}: config {key}={hf_config[key]!r}, this GPT-2 supports {allowed}")
         try:
             config = GPTConfig(block_size=hf_config['n_positions'], vocab_size=hf_config['vocab_size'],
-                               n_layer=hf_config['n_layer'], n_head=hf_config['n_head'], n_embd=hf_config['n_embd'])
+                               n_layer=hf_config['n_layer'], n_head=hf_config['n_head'],
+                               n_embd=hf_config['n_embd'])
         except KeyError as e:
             raise ValueError(f"{source}: config has no key {e.args[0]!r}") from None
         model = cls(config)
@@ -305,7 +228,8 @@ class GPT(nn.Module):
                  for k, v in sd_hf.items() if not k.endswith(HF_MASK_BUFFERS)}
         unexpected = sorted(set(sd_hf) - set(sd))
         if unexpected:
-            raise ValueError(f"{source}: unexpected key {unexpected[0]!r} ({len(unexpected)} in all) for a GPT-2")
+            raise ValueError(f"{source}: unexpected key {unexpected[0]!r} ({len(unexpected)} in all) "
+                             f"for a GPT-2")
         with torch.no_grad():
             for k in sd:
                 if k == 'lm_head.weight' and k not in sd_hf:
@@ -314,12 +238,14 @@ class GPT(nn.Module):
                     raise ValueError(f"{source}: missing key {k!r}")
                 w = sd_hf[k].t() if k.endswith(HF_CONV1D_WEIGHTS) else sd_hf[k]
                 if w.shape != sd[k].shape:
-                    raise ValueError(f"{source}: key {k!r} has shape {tuple(w.shape)}"
-                                     f"{' (transposed from Conv1D)' if k.endswith(HF_CONV1D_WEIGHTS) else ''}, "
+                    conv1d = ' (transposed from Conv1D)' if k.endswith(HF_CONV1D_WEIGHTS) else ''
+                    raise ValueError(f"{source}: key {k!r} has shape {tuple(w.shape)}{conv1d}, "
                                      f"expected {tuple(sd[k].shape)} for {config}")
                 sd[k].copy_(w)
-            if 'lm_head.weight' in sd_hf and not torch.equal(sd_hf['lm_head.weight'], sd_hf['transformer.wte.weight']):
-                raise ValueError(f"{source}: lm_head.weight differs from transformer.wte.weight; GPT-2 ties them")
+            if 'lm_head.weight' in sd_hf and not torch.equal(sd_hf['lm_head.weight'],
+                                                             sd_hf['transformer.wte.weight']):
+                raise ValueError(f"{source}: lm_head.weight differs from transformer.wte.weight; "
+                                 f"GPT-2 ties them")
         return model
 
     # -------------------------------------------------------------------------
@@ -377,7 +303,8 @@ def load_hf_weights(model_dir):
             for shard in shards:
                 sd.update(load(os.path.join(model_dir, shard)))
             return sd
-    raise FileNotFoundError(f"{model_dir}: no model.safetensors or pytorch_model.bin (or their .index.json) found")
+    raise FileNotFoundError(f"{model_dir}: no model.safetensors or pytorch_model.bin "
+                            f"(or their .index.json) found")
 
 
 def to_hf_state_dict(state, vocab_size):

@@ -25,9 +25,12 @@ from gptkit.shards import is_fineweb_edu
 
 KINDS = ('train', 'val', 'bpb', 'hella', 'epoch')  # epoch: '{step} epoch {n}' where epoch n begins
 IGNORED = ('skip', 'overflow')  # the trainer's rare event lines: not curves
-REFERENCE = {'val': [(3.2924, 'GPT-2 124M (OpenAI), FineWeb-Edu val loss')],  # on FineWeb-Edu's val shard only
-             # 0.2955: build-nanogpt's hellaswag.py on the 10,042 val examples (its notebook draws 0.2945)
+# the reference lines of each panel. loss: GPT-2's val loss on FineWeb-Edu's val shard, drawn only over
+# FineWeb-Edu runs; hella 0.2955: build-nanogpt's hellaswag.py on the 10,042 val examples (its notebook
+# draws 0.2945)
+REFERENCE = {'loss': [(3.2924, 'GPT-2 124M (OpenAI), FineWeb-Edu val loss')],
              'hella': [(0.2955, 'GPT-2 124M (OpenAI)'), (0.337, 'GPT-3 124M (paper)')]}
+TITLES = {'loss': 'loss', 'bpb': 'val bits per byte', 'hella': 'HellaSwag acc_norm'}
 
 
 def read_log(log_dir):
@@ -41,15 +44,15 @@ def read_log(log_dir):
     curves = {kind: ([], []) for kind in KINDS}
     with open(path, errors='replace') as f:
         for lineno, line in enumerate(f, 1):
-            parts = line.split()
             try:
-                step, kind, value = int(parts[0]), parts[1], float(parts[2])
-                if len(parts) != 3 or kind not in KINDS + IGNORED:
+                step, kind, value = line.split()  # a ValueError unless three words
+                step, value = int(step), float(value)
+                if kind not in KINDS + IGNORED:
                     raise ValueError
-            except (ValueError, IndexError):
+            except ValueError:
                 if line.strip():
-                    print(f"warning: {path}:{lineno}: not a '<step> train|val|bpb|hella <value>' line, skipped: "
-                          f"{line.strip()[:80]!r}", file=sys.stderr)
+                    print(f"warning: {path}:{lineno}: not a '<step> train|val|bpb|hella <value>' line, "
+                          f"skipped: {line.strip()[:80]!r}", file=sys.stderr)
                 continue
             if kind in KINDS:
                 curves[kind][0].append(step)
@@ -68,7 +71,7 @@ def trained_on_fineweb_edu(log_dir):
         with open(path) as f:
             last = json.load(f)[-1]
         return is_fineweb_edu(last.get('dataset'), last['config']['data_root'])
-    except (OSError, ValueError, LookupError, TypeError, AttributeError) as e:  # edited by hand, or not a run's
+    except (OSError, ValueError, LookupError, TypeError, AttributeError) as e:  # edited by hand, or not ours
         print(f"warning: {path}: not a run.json list of entries ({type(e).__name__}: {e}); its val loss is "
               f"not taken for FineWeb-Edu's", file=sys.stderr)
         return False
@@ -114,14 +117,13 @@ def plot(runs, out, fineweb_edu=False):
             if c[kind][0]:
                 ax[kind].plot(*c[kind], color=color, marker='.', label=label)
         for j, step in enumerate(c['epoch'][0]):  # where the train data starts again, in a new order
-            ax['loss'].axvline(step, color=color, linestyle='-.', linewidth=0.8, label=f"{label} new epoch" if j == 0 else None)
-    for kind, refs in (('loss', REFERENCE['val'] if fineweb_edu else []), ('hella', REFERENCE['hella'])):
-        for (y, text), color in zip(refs if kind in ax else [], ('red', 'green')):
-            ax[kind].axhline(y, color=color, linestyle=':', linewidth=1, label=f"{text}: {y}")
-    titles = {'loss': ('loss', 'loss'), 'bpb': ('bits per byte', 'val bits per byte'),
-              'hella': ('acc_norm', 'HellaSwag acc_norm')}
+            ax['loss'].axvline(step, color=color, linestyle='-.', linewidth=0.8,
+                               label=None if j else f"{label} new epoch")
+    refs = dict(REFERENCE, loss=REFERENCE['loss'] if fineweb_edu else [])
     for kind, a in ax.items():
-        a.set(xlabel='step', ylabel=titles[kind][0], title=titles[kind][1])
+        for (y, text), color in zip(refs.get(kind, []), ('red', 'green')):
+            a.axhline(y, color=color, linestyle=':', linewidth=1, label=f"{text}: {y}")
+        a.set(xlabel='step', title=TITLES[kind])
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     ax['loss'].set_ylim(top=min(ax['loss'].get_ylim()[1], 12))  # a random init's ~11 would flatten the rest
@@ -145,10 +147,7 @@ def main(argv=None):
             sys.exit(f"error: {e}")
         if not any(values for _, values in curves.values()):
             sys.exit(f"error: {os.path.join(log_dir, 'log.txt')}: no train, val, bpb or hella lines")
-        runs.append((os.path.normpath(log_dir), curves))
-    names = [os.path.basename(path) for path, _ in runs]
-    if len(set(names)) == len(names):  # the folder names, unless two runs share one (a/log, b/log)
-        runs = [(name, curves) for name, (_, curves) in zip(names, runs)]
+        runs.append((os.path.basename(os.path.normpath(log_dir)), curves))
     try:
         # a list, not a generator: each unreadable run.json gets its warning
         panels = plot(runs, args.out, fineweb_edu=any([trained_on_fineweb_edu(d) for d in args.log_dirs]))

@@ -23,8 +23,8 @@ def encode_prompt(enc, prompt, model):
     """Token ids of prompt (GPT-2's <|endoftext|> alone when it is empty, as GPT-2 starts
     unconditional samples), checked against the model's vocabulary and length."""
     if model.config.vocab_size < enc.n_vocab:
-        raise UserError(f"the model's vocab_size={model.config.vocab_size} is smaller than GPT-2's {enc.n_vocab}: "
-                         f"its tokens are not GPT-2's")
+        raise UserError(f"the model's vocab_size={model.config.vocab_size} is smaller than GPT-2's "
+                        f"{enc.n_vocab}: its tokens are not GPT-2's")
     ids = enc.encode(prompt) or [EOT]
     if len(ids) > model.config.block_size:  # generate would keep the last block_size tokens anyway
         print(f"warning: the prompt's {len(ids)} tokens are more than block_size={model.config.block_size}: "
@@ -59,9 +59,11 @@ def training_samples(model, step, prompt, length, dtype):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--model', default='gpt2', help="a .pt checkpoint, a run's log_dir (its newest checkpoint), a HF "
-                                                   "GPT-2 folder, or gpt2/-medium/-large/-xl")
-    p.add_argument('--prompt', default="Hello, I'm a language model,", help="the text to continue, or FILE:path")
+    p.add_argument('--model', default='gpt2',
+                   help="a .pt checkpoint, a run's log_dir (its newest checkpoint), a HF GPT-2 folder, or "
+                        "gpt2/-medium/-large/-xl")
+    p.add_argument('--prompt', default="Hello, I'm a language model,",
+                   help="the text to continue, or FILE:path")
     p.add_argument('--num_samples', type=int, default=4)
     p.add_argument('--max_new_tokens', type=int, default=100)
     p.add_argument('--temperature', type=float, default=1.0, help="< 1 sharper, > 1 more random")
@@ -70,9 +72,6 @@ def main(argv=None):
     p.add_argument('--device', default='auto', help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     p.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
     args = p.parse_args(argv)
-    if args.num_samples < 1 or args.max_new_tokens < 1 or args.temperature <= 0 or args.top_k < 0:
-        sys.exit("error: --num_samples and --max_new_tokens must be at least 1, --temperature above 0, "
-                 "--top_k 0 or more")
     prompt = args.prompt
     if prompt.startswith('FILE:'):
         try:
@@ -80,7 +79,8 @@ def main(argv=None):
                 prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
             sys.exit(f"error: --prompt {args.prompt}: cannot read it ({e})")
-    from gptkit.checkpoint import model_in  # here, not atop: `import sample` (the trainer's) stays without gptkit/parallel.py
+    # imported here, not atop: the trainer's `import sample` stays without gptkit/parallel.py
+    from gptkit.checkpoint import model_in
     try:
         device = pick_device(args.device)
         dtype, _ = resolve_dtype(args.dtype, device)
@@ -92,8 +92,8 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     for i in range(args.num_samples):  # one at a time: each is printed when it is done
         with autocast(device, dtype):
-            out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                                 generator=generator)
+            out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
+                                 top_k=args.top_k or None, generator=generator)
         print(f"--- sample {i}\n{decode(enc, out[0].tolist())}", flush=True)
 
 

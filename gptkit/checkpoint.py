@@ -1,8 +1,8 @@
 """
 Fault tolerance for train_gpt2.py: what a checkpoint holds, writing it atomically, choosing and
 checking one to resume from, RNG state, trimming the log lines a crashed run wrote after its last
-checkpoint, preemption (SIGTERM, Ctrl-C). docs/resume.md tells the whole story (torchrun restarts included:
-their store is parallel.restart_store).
+checkpoint, preemption (SIGTERM, Ctrl-C), one run per log_dir (run.lock). docs/resume.md tells the
+whole story (torchrun restarts included: their store is parallel.restart_store).
 
 A checkpoint, log_dir/model_{step:05d}.pt, is the state after `step` optimizer updates: build-
 nanogpt's model, config, step and val_loss, plus everything needed to continue exactly (RESUME_KEYS):
@@ -16,8 +16,11 @@ import pickle
 import random
 import re
 import signal
+import socket
 import sys
+import time
 import types
+import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -28,16 +31,16 @@ from gptkit.common import UserError, atomic_write
 from model import GPT, GPTConfig
 
 CHECKPOINT_NAME = re.compile(r'model_(\d+)\.pt')
-RESUME_KEYS = ('model', 'optimizer', 'config', 'train_config', 'step', 'evaluated', 'loader', 'rng', 'bad_steps',
-               'checksum')
-EXIT_PREEMPTED = 75  # SIGTERM or Ctrl-C: checkpoint written, run the same command again (EX_TEMPFAIL: "try again")
+RESUME_KEYS = ('model', 'optimizer', 'config', 'train_config', 'step', 'evaluated', 'loader', 'rng',
+               'bad_steps', 'checksum')
+EXIT_PREEMPTED = 75  # SIGTERM or Ctrl-C: checkpoint written, run the same command again (EX_TEMPFAIL)
 
 
 @dataclass
 class TrainState:
     """What a run trains and what its checkpoints hold, travelling together through the trainer."""
     model: torch.nn.Module  # what the step runs: raw_model compiled and DDP-wrapped, as configured
-    raw_model: torch.nn.Module  # the plain GPT: weights, checkpoints, HellaSwag, samples (FSDP: sharded in place)
+    raw_model: torch.nn.Module  # the plain GPT: weights, checkpoints, HellaSwag, samples (FSDP: sharded)
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # float16's loss scaling; a no-op in the other precisions
     loader: object  # train_gpt2.DataLoaderLite: next_batch(), state(), load_state()
@@ -53,8 +56,8 @@ stop_requested = ''  # the signal that asked the run to stop: 'SIGTERM' or 'Ctrl
 
 
 def on_stop_signal(signum, frame):
-    global stop_requested
-    stop_requested = stop_requested or ('Ctrl-C' if signum == signal.SIGINT else 'SIGTERM')  # finish the step, save
+    global stop_requested  # the trainer finishes the step, then saves
+    stop_requested = stop_requested or ('Ctrl-C' if signum == signal.SIGINT else 'SIGTERM')
     if signum == signal.SIGINT:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
 
@@ -66,8 +69,8 @@ def stop_on_signal(state, val_loss, saved, config, keep_checkpoints):
         save_checkpoint(state, val_loss, config, config['log_dir'], keep_checkpoints)
     if parallel.rank() == 0:
         print(f"{stop_requested or 'SIGTERM'}: stopped at step {state.step}; wrote "
-              f"{os.path.join(config['log_dir'], f'model_{state.step:05d}.pt')}; run the same command again to resume "
-              f"(exit code {EXIT_PREEMPTED})")
+              f"{os.path.join(config['log_dir'], f'model_{state.step:05d}.pt')}; run the same command again "
+              f"to resume (exit code {EXIT_PREEMPTED})")
     return EXIT_PREEMPTED
 
 
@@ -94,15 +97,14 @@ def checksum(obj):
     zeroed on disk changes it (torch.load checks no CRC: such a file loads without complaint)."""
     if torch.is_tensor(obj):
         return tensor_checksum(obj).item()
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    return sum(checksum(v) for v in obj) % 2 ** 62 if isinstance(obj, (list, tuple)) else 0
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(map(checksum, values)) % 2 ** 62
 
 
 def list_checkpoints(log_dir):
     """[(step, path)] of the model_NNNNN.pt files in log_dir, newest first."""
     names = os.listdir(log_dir) if os.path.isdir(log_dir) else []
-    found = [(int(m.group(1)), os.path.join(log_dir, n)) for n in names if (m := CHECKPOINT_NAME.fullmatch(n))]
+    found = [(int(m[1]), os.path.join(log_dir, n)) for n in names if (m := CHECKPOINT_NAME.fullmatch(n))]
     return sorted(found, reverse=True)
 
 
@@ -113,7 +115,8 @@ def model_in(name):
         return name
     found = list_checkpoints(name)
     if not found:
-        raise UserError(f"{name}: neither a HF model folder (no config.json) nor a run's log_dir (no model_NNNNN.pt)")
+        raise UserError(f"{name}: neither a HF model folder (no config.json) nor a run's log_dir "
+                        f"(no model_NNNNN.pt)")
     print(f"{name}: its newest checkpoint, {found[0][1]}", file=sys.stderr)
     return found[0][1]
 
@@ -123,38 +126,41 @@ def read_checkpoint(path):
     it, OSError that it could not be read.
     Tensors stay memory-mapped (read once for the checksum); their shapes are checked against a
     model and an optimizer built on the meta device (no memory) from the checkpoint's own config."""
-    with open(path, 'rb') as f:  # a read error (I/O, permissions) shows here, and proves nothing about the file
+    # Every byte is read first: a read error (I/O, permissions) shows here, and proves nothing about the file.
+    with open(path, 'rb') as f:
         while f.read(1 << 24):
             pass
     try:
         try:
             ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)  # no pickled code runs
         except pickle.UnpicklingError as e:  # torch's advice (weights_only=False) is the one not to take
-            why = [line for line in str(e).splitlines() if 'GLOBAL' in line or 'Unsupported' in line]
-            raise ValueError(f"it holds pickled objects that a weights-only load refuses ({' '.join(why) or e})") from None
+            why = ' '.join(line for line in str(e).splitlines() if 'GLOBAL' in line or 'Unsupported' in line)
+            raise ValueError(f"it holds pickled objects that a weights-only load refuses "
+                             f"({why or e})") from None
         missing = [k for k in RESUME_KEYS if k not in ckpt]
         if missing:
             raise ValueError(f"no {', '.join(missing)}: not a checkpoint this trainer can resume from")
-        if checksum([v for k, v in ckpt.items() if k != 'checksum']) != ckpt['checksum']:
+        if checksum(dict(ckpt, checksum=None)) != ckpt['checksum']:  # of all but itself, as it was written
             raise ValueError("the tensors do not match the checksum written with them: the file is corrupt")
-        with torch.device('meta'):
+        # Copying into a model on the meta device does nothing, and torch warns that it does nothing:
+        # only the names and shapes are checked. A weight missing or of another shape raises.
+        with torch.device('meta'), warnings.catch_warnings():
+            warnings.simplefilter('ignore')
             model = GPT(GPTConfig.from_dict(ckpt['config']))
-        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        have = {k: tuple(v.shape) for k, v in ckpt['model'].items()}
-        if have != want:
-            k = next(k for k in sorted(want.keys() | have.keys()) if want.get(k) != have.get(k))
-            raise ValueError(f"'model' does not match its config {ckpt['config']}: {k} is {have.get(k)}, expected {want.get(k)}")
-        optimizer = model.configure_optimizers(0.0, 1.0, 'cpu', ckpt['train_config'].get('optimizer', 'adamw'), 1.0)
+            model.load_state_dict(ckpt['model'])
+        kind = ckpt['train_config'].get('optimizer', 'adamw')
+        optimizer = model.configure_optimizers(0.0, 1.0, 'cpu', kind, 1.0)
         optimizer.load_state_dict(ckpt['optimizer'])  # group and parameter counts
-        for p, state in optimizer.state.items():  # AdamW's moments, Muon's momentum: each the parameter's shape
+        for p, state in optimizer.state.items():  # AdamW's moments, Muon's momentum: the parameter's shape
             for v in state.values():
                 if v.dim() > 0 and v.shape != p.shape:
-                    raise ValueError(f"'optimizer' state of shape {tuple(v.shape)} for a parameter of shape {tuple(p.shape)}")
+                    raise ValueError(f"'optimizer' state of shape {tuple(v.shape)} for a parameter of shape "
+                                     f"{tuple(p.shape)}")
         return ckpt
     except (ValueError, MemoryError):
         raise  # MemoryError: the file may well be fine
-    except Exception as e:  # truncated (torch.load says OSError for some cuts), not a zip, wrong keys or shapes
-        raise ValueError(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+    except Exception as e:  # truncated (torch.load: OSError for some cuts), not a zip, wrong keys or shapes
+        raise ValueError(f"{type(e).__name__}: {' '.join(str(e).split()[:40])}") from None  # its gist, 1 line
 
 
 def pick_checkpoint(log_dir):
@@ -170,8 +176,8 @@ def pick_checkpoint(log_dir):
             bad.append(path)
             continue
         except (OSError, MemoryError) as e:
-            raise UserError(f"cannot read {path} ({type(e).__name__}: {e}); that is no proof the checkpoint is bad, so "
-                            f"nothing falls back: fix the cause and run again") from None
+            raise UserError(f"cannot read {path} ({type(e).__name__}: {e}); that is no proof the checkpoint "
+                            f"is bad, so nothing falls back: fix the cause and run again") from None
         for p in bad:
             aside = next(f"{p}.bad{i or ''}" for i in range(1000) if not os.path.exists(f"{p}.bad{i or ''}"))
             os.replace(p, aside)
@@ -189,28 +195,27 @@ def find_checkpoint(log_dir, resume, device):
     resume="never" refuses a log_dir that holds checkpoints."""
     found = list_checkpoints(log_dir)
     if resume == 'never' and found:
-        raise UserError(f"{log_dir!r} holds checkpoints of an earlier run ({found[0][1]}) and resume='never': "
-                        f"point log_dir elsewhere, or move them away")
-    rank = parallel.rank()
-    step, path, ckpt, error = -1, None, None, None
+        raise UserError(f"{log_dir!r} holds checkpoints of an earlier run ({found[0][1]}) and "
+                        f"resume='never': point log_dir elsewhere, or move them away")
+    rank, step, path, ckpt, error = parallel.rank(), -1, None, None, ''
     if rank == 0:
         try:
             step, path, ckpt = pick_checkpoint(log_dir)
         except UserError as e:
             error = str(e)
-    failed = error is not None
     parallel.wait_for_all()  # rank 0 read every candidate, for as long as it took
-    step = parallel.from_rank0(-2 if error is not None else step)  # -2: rank 0 failed, -1: nothing to resume
+    step = parallel.from_rank0(step)  # -1: nothing to resume, or rank 0 failed
     if rank > 0 and step >= 0:
         path = os.path.join(log_dir, f"model_{step:05d}.pt")
         try:
             ckpt = read_checkpoint(path)
         except (ValueError, OSError, MemoryError) as e:
-            print(f"error: rank {rank} cannot read {path}: {e}", file=sys.stderr)
-            failed = True
+            error = f"rank {rank} cannot read {path}: {e}"
+            print(f"error: {error}", file=sys.stderr)
     parallel.wait_for_all()  # the others read it too
-    if parallel.agree(failed or step == -2):
-        raise UserError(error or f"another rank could not read {path}: log_dir must be on a filesystem that every node sees")
+    if parallel.agree(bool(error)):  # any rank's failure, rank 0's included, stops every rank
+        raise UserError(error or f"another rank could not read {path}: log_dir must be on a filesystem "
+                                 f"that every node sees")
     return path, ckpt
 
 
@@ -218,9 +223,9 @@ def rng_state(device):
     """Every random generator's state (the same on every rank: all are seeded and used alike).
     Nothing in training draws from Python's or numpy's today; they are kept, as the checkpoint
     format has them and a change that draws from them (a data pipeline, say) then resumes exactly."""
-    np_state = np.random.get_state()
+    name, keys, *rest = np.random.get_state()  # keys: a numpy array, kept as a tensor for weights-only loads
     state = {'torch': torch.get_rng_state(), 'python': random.getstate(),
-             'numpy': (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:])}
+             'numpy': (name, torch.from_numpy(keys.astype(np.int64)), *rest)}
     if torch.device(device).type == 'cuda':
         state['cuda'] = torch.cuda.get_rng_state(device)
     return state
@@ -280,10 +285,11 @@ def check_replicas(model, step):
     sums = parallel.gather_objects(sum(tensor_checksum(p) for p in model.parameters()).item())
     differ = [str(r) for r, s in enumerate(sums) if s != sums[0]]
     if differ:
-        raise UserError(f"step {step}: the weights of rank{'s' * (len(differ) > 1)} {', '.join(differ)} differ from "
-                        f"rank 0's: DDP keeps replicas equal only while every rank computes the same bits (the same GPU "
-                        f"model, driver and library versions); no checkpoint of step {step} was written: resume from "
-                        f"the last one on matching hardware")
+        ranks = f"rank{'s' * (len(differ) > 1)} {', '.join(differ)}"
+        raise UserError(f"step {step}: the weights of {ranks} differ from rank 0's: DDP keeps replicas "
+                        f"equal only while every rank computes the same bits (the same GPU model, driver and "
+                        f"library versions); no checkpoint of step {step} was written: resume from the last "
+                        f"one on matching hardware")
 
 
 def save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints):
@@ -294,43 +300,26 @@ def save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints):
     check_replicas(state.raw_model, state.step)  # a diverged state is never saved
     ckpt = checkpoint_state(state, val_loss, config)  # a collective under FSDP: every rank takes part
     if ckpt is not None:
-        ckpt['checksum'] = checksum(list(ckpt.values()))
-        path = os.path.join(log_dir, f"model_{ckpt['step']:05d}.pt")
+        ckpt['checksum'] = checksum(ckpt)
+        path = os.path.join(log_dir, f"model_{state.step:05d}.pt")
         for name in ('log.txt', 'samples.txt'):  # the lines the checkpoint vouches for reach the disk first
-            if os.path.exists(os.path.join(log_dir, name)):
-                with open(os.path.join(log_dir, name), 'a') as f:
+            log_file = os.path.join(log_dir, name)
+            if os.path.exists(log_file):
+                with open(log_file, 'a') as f:
                     os.fsync(f.fileno())
         try:  # temporary file, fsync, rename: a checkpoint is whole or absent
             atomic_write(path, lambda f: torch_save(ckpt, f))
         except (OSError, RuntimeError) as e:  # the OS's reason (torch_save), or torch.save's own failure
-            error = (f"could not write the checkpoint {path} ({e}); "
-                     f"the earlier checkpoints are untouched: fix that (free some space, say) and run the same command again to resume")
+            error = (f"could not write the checkpoint {path} ({e}); the earlier checkpoints are untouched: "
+                     f"fix that (free some space, say) and run the same command again to resume")
         else:
-            older = [p for s, p in list_checkpoints(log_dir) if s < ckpt['step']]
-            for p in older[max(keep_checkpoints - 1, 0):] if keep_checkpoints > 0 else []:
-                os.remove(p)  # only now that a newer one is complete
+            older = [p for s, p in list_checkpoints(log_dir) if s < state.step]
+            if keep_checkpoints > 0:
+                for p in older[keep_checkpoints - 1:]:
+                    os.remove(p)  # only now that a newer one is complete
     parallel.wait_for_all()  # however long rank 0 took to write: the next collective is bounded again
     if parallel.agree(error is not None):
         raise UserError(error or "rank 0 could not write a checkpoint")
-
-
-def trim_lines(path, step_field, keep):
-    """Rewrite path (atomically) with only its whole lines whose step (word step_field) passes
-    keep(step, words): what a crashed run wrote after its last checkpoint is dropped, and the
-    resumed run writes it again."""
-    if not os.path.exists(path):
-        return
-    lines = []
-    with open(path) as f:
-        for line in f:
-            words = line.split()
-            try:
-                step = int(words[step_field])
-            except (ValueError, IndexError):
-                continue
-            if line.endswith('\n') and keep(step, words):  # a line cut by a crash has no '\n'
-                lines.append(line)
-    atomic_write(path, lambda f: f.write(''.join(lines).encode()))
 
 # -----------------------------------------------------------------------------
 # resuming: the model's shape, then every piece of state, then the log files
@@ -347,8 +336,9 @@ def resumed_model_config(ckpt, path, config):
     diff = [k for k in have if config['init_from'] == 'scratch' and config[k] != have[k]]
     if diff:
         raise UserError(f"{path} holds a model with {', '.join(f'{k}={have[k]}' for k in diff)}, but the "
-                        f"config asks for {', '.join(f'{k}={config[k]}' for k in diff)}: a run resumes only into the "
-                        f"same model shape; set them back, or point log_dir elsewhere to start afresh")
+                        f"config asks for {', '.join(f'{k}={config[k]}' for k in diff)}: a run resumes only "
+                        f"into the same model shape; set them back, or point log_dir elsewhere to start "
+                        f"afresh")
     changed = [f"{k} {old[k]!r} -> {v!r}" for k, v in config.items() if k in old and old[k] != v]
     if parallel.rank() == 0 and changed:
         print(f"resuming with changed settings: {', '.join(changed)}")
@@ -362,21 +352,21 @@ def restore(state, ckpt, path, max_bad_steps):
     optimizer = state.optimizer
     if ckpt.get('scaler'):  # a float16 run's loss scale (empty in other precisions)
         state.scaler.load_state_dict(ckpt['scaler'])
-    # load_state_dict replaces the param groups whole, settings included: the checkpoint brings only
-    # the state (moments, momentum buffers); every setting comes from this config and device (a CPU
-    # checkpoint resumed on a GPU gets the fused kernel; lr is set at every step anyway)
-    kept = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
-    parallel.load_full_state(state.raw_model, optimizer, ckpt['model'], ckpt['optimizer'])  # FSDP: each rank its shards
-    for group, keep in zip(optimizer.param_groups, kept):
-        group.update(keep)
+    # load_state_dict takes the param groups whole, settings included: the checkpoint brings only the
+    # state (moments, momentum buffers), and the groups are this optimizer's own, so that every setting
+    # comes from this config and device (a CPU checkpoint resumed on a GPU gets the fused kernel; lr
+    # is set at every step anyway). Under FSDP each rank loads its own shards.
+    own_groups = dict(ckpt['optimizer'], param_groups=optimizer.state_dict()['param_groups'])
+    parallel.load_full_state(state.raw_model, optimizer, ckpt['model'], own_groups)
     for st in optimizer.state.values():  # on CPU these would alias the checkpoint's memory map
         st.update({k: v.clone() for k, v in st.items() if torch.is_tensor(v) and v.device.type == 'cpu'})
     state.loader.load_state(ckpt['loader'], path)
     set_rng_state(ckpt['rng'], next(state.raw_model.parameters()).device)
     if ckpt['bad_steps'] >= max_bad_steps:  # not for an automatic restart to push on: a person decides
-        raise UserError(f"{path} was written after {ckpt['bad_steps']} steps in a row with a non-finite loss or "
-                        f"gradient norm, and max_bad_steps={max_bad_steps}: to go on (after lowering max_lr, say), "
-                        f"raise max_bad_steps above {ckpt['bad_steps']}, or point log_dir elsewhere to start afresh")
+        raise UserError(f"{path} was written after {ckpt['bad_steps']} steps in a row with a non-finite "
+                        f"loss or gradient norm, and max_bad_steps={max_bad_steps}: to go on (after lowering "
+                        f"max_lr, say), raise max_bad_steps above {ckpt['bad_steps']}, or point log_dir "
+                        f"elsewhere to start afresh")
     state.step, state.evaluated, state.bad_steps = ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
     if parallel.rank() == 0:
         print(f"resuming from {path}: step {state.step}, train data at {state.loader.state()['file']} "
@@ -389,18 +379,41 @@ def stop_after_bad_steps(state, config, keep_checkpoints):
     save_checkpoint(state, None, config, config['log_dir'], keep_checkpoints)
     raise UserError(f"stopped after {state.bad_steps} steps in a row with a non-finite loss or gradient norm "
                     f"(max_bad_steps={config['max_bad_steps']}); "
-                    f"{os.path.join(config['log_dir'], f'model_{state.step:05d}.pt')} holds the last good weights, with "
-                    f"the data position after the skipped batches; lower max_lr or check the data, then raise "
-                    f"max_bad_steps to resume from it")
+                    f"{os.path.join(config['log_dir'], f'model_{state.step:05d}.pt')} holds the last good "
+                    f"weights, with the data position after the skipped batches; lower max_lr or check the "
+                    f"data, then raise max_bad_steps to resume from it")
 
 
-_lock_file = None  # rank 0's open run.lock: the lock lasts as long as the process
-_made = []  # what taking the lock created, deepest first: run.lock, log_dir and its parents (release_log_dir)
+def prepare_log_dir(log_dir, start, evaluated):
+    """Rank 0, before the first step: remove a checkpoint write that a crash cut short, and the log
+    lines a crashed run wrote after its checkpoint (all of them for a fresh run). No step is logged
+    twice; the val/bpb/hella lines and samples of the checkpoint's own step stay when it has them.
+    Each file is rewritten atomically, so that the resumed run writes the dropped lines again."""
+    os.makedirs(log_dir, exist_ok=True)
+    for tmp in glob.glob(os.path.join(glob.escape(log_dir), 'model_*.pt.tmp*')):
+        os.remove(tmp)
+    # Each line starts with its step (group 1), then, in the lines of an eval, what it holds (group 2).
+    # A line stays when its step comes before start, or when it is an eval's line of start itself and
+    # start's evals are done. A line that a crash cut short has no '\n'.
+    starts = {'log.txt': r'(\d+) (val |bpb |hella )?', 'samples.txt': r'step (\d+) (sample )?'}
+    for name, line_start in starts.items():
+        path = os.path.join(log_dir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if line.endswith('\n') and (m := re.match(line_start, line)) and (
+                    int(m[1]) < start or int(m[1]) == start and evaluated and m[2])]
+            atomic_write(path, lambda f: f.write(''.join(kept).encode()))
+
+# -----------------------------------------------------------------------------
+# one run per log_dir: rank 0 holds a POSIX record lock on log_dir/run.lock while the run lasts
+
+_lock_file = None  # rank 0's open and locked run.lock
+_made = []  # the folders that taking the lock made, deepest first: log_dir, and the parents it needed
 
 
 def claim_log_dir(log_dir):
-    """Every rank, before log_dir is read: rank 0 takes log_dir/run.lock (lock_log_dir); a UserError on every
-    rank when another run holds it."""
+    """Every rank, before log_dir is read: rank 0 takes log_dir/run.lock (lock_log_dir); a UserError on
+    every rank when another run holds it."""
     busy = lock_log_dir(log_dir) if parallel.rank() == 0 else ''
     parallel.wait_for_all()  # rank 0's work alone, however long a shared file system takes
     if parallel.agree(bool(busy)):
@@ -408,39 +421,47 @@ def claim_log_dir(log_dir):
 
 
 def lock_log_dir(log_dir):
-    """Rank 0, before log_dir is read: take log_dir/run.lock for the life of this process. '' once taken; else
-    one line naming the run that holds it. A POSIX record lock (fcntl.lockf): the kernel drops it
-    when its process ends, however it ends (kill -9 too), so a dead run never blocks the next start;
-    a forked child does not inherit it. On NFS the server's lock manager holds it for every node;
-    Lustre needs mounting with -o flock (docs/resume.md)."""
+    """Rank 0, before log_dir is read: take log_dir/run.lock for the life of this run. '' once taken;
+    else one line naming the run that holds it, and the file is left as it was. A POSIX record lock
+    (fcntl.lockf): the kernel drops it when its process ends, however it ends (kill -9 too), so a dead
+    run never blocks the next start; a forked child does not inherit it. On NFS the server's lock
+    manager holds it for every node; Lustre needs mounting with -o flock (docs/resume.md)."""
     global _lock_file, _made
     if os.name != 'posix':
         return ''
     import fcntl
-    import socket
-    import time
     if _lock_file is not None:  # an earlier run in this process (tests); closing drops its lock
-        _lock_file.close()
+        _lock_file.close()  # (and in a forked child, whose parent holds the lock, closing alone is right)
         _lock_file = None
-    path = os.path.join(log_dir, 'run.lock')
-    _made, folder = [], os.path.abspath(log_dir)
+    path, folder, _made = os.path.join(log_dir, 'run.lock'), os.path.abspath(log_dir), []
     while not os.path.exists(folder):  # the folders makedirs makes: log_dir, and parents it needs
         _made, folder = _made + [folder], os.path.dirname(folder)
-    _made = [] if os.path.exists(path) else [os.path.abspath(path)] + _made
-    os.makedirs(log_dir, exist_ok=True)
-    f = open(path, 'a+')  # never truncated unless taken: the holder's line stays for the next one to read
-    try:
-        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: another process holds it
-        f.seek(0)
-        holder = f.read().strip() or 'a process that has not written its name yet'
+    while True:
+        os.makedirs(log_dir, exist_ok=True)
+        try:
+            f = open(path, 'a+')  # created, or opened without a change: the holder's line stays for others
+        except FileNotFoundError:  # a start that failed removed the empty log_dir it had made, just now
+            continue
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # A run that ends removes run.lock while it still holds the lock. If one did so between our
+            # open and our lock, this lock is on a file that no one else will open (the next launch
+            # would create and lock another one): then lock the file that the name gives now.
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                break
+        except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: another process holds it
+            f.seek(0)
+            holder = f.read().strip() or 'a process that has not written its name yet'
+            f.close()
+            return (f"log_dir={log_dir} is in use by a live run ({holder}; {path}); wait for it to end or "
+                    f"stop it, or choose another log_dir")
+        except FileNotFoundError:  # os.stat: removed as above, and no other launch made it again yet
+            pass
+        except OSError as e:  # ENOLCK, ENOSYS: a file system without locks
+            f.close()
+            print(f"warning: cannot lock {path} ({e}): nothing stops a second run from using this log_dir")
+            return ''
         f.close()
-        return (f"log_dir={log_dir} is in use by a live run ({holder}; {path}); wait for it to end or stop it, "
-                f"or choose another log_dir")
-    except OSError as e:  # ENOLCK, ENOSYS: a file system without locks
-        f.close()
-        print(f"warning: cannot lock {path} ({e}): nothing stops a second run from using this log_dir")
-        return ''
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     f.flush()
@@ -449,31 +470,19 @@ def lock_log_dir(log_dir):
 
 
 def release_log_dir(log_dir, failed):
-    """As the run ends (every rank calls it; rank 0 alone holds the lock): a start that failed
-    before writing anything in log_dir (no shard holds a step, a bad init_from) removes the run.lock
-    and the folders that taking it made, so that a corrected command starts clean and `ls` shows no
-    empty run. A folder something else was written in meanwhile stays."""
+    """As the run ends, however it ends (every rank calls it; rank 0 alone holds the lock): rank 0
+    removes run.lock while it still holds the lock, so that no file names a run that is gone (after
+    a kill -9 the file stays, unlocked, and the next start takes it over). A start that failed also
+    removes the folders that taking the lock made, unless something was written in them, so that a
+    corrected command starts clean and `ls` shows no empty run."""
     global _lock_file
-    if not failed or _lock_file is None or _made[:1] != [os.path.abspath(os.path.join(log_dir, 'run.lock'))]:
+    if _lock_file is None:
         return
     try:
-        if os.listdir(log_dir) == ['run.lock']:
-            os.remove(_made[0])
-            for folder in _made[1:]:  # log_dir, then the parents it needed, deepest first
-                os.rmdir(folder)  # fails unless empty: another run's folder stays
+        os.remove(_lock_file.name)  # while it is still locked (lock_log_dir says why)
+        for folder in _made if failed else []:  # log_dir, then the parents it needed
+            os.rmdir(folder)  # fails unless empty: a folder that holds anything stays, and so do its parents
     except OSError:
         pass
     _lock_file.close()
     _lock_file = None
-
-
-def prepare_log_dir(log_dir, start, evaluated):
-    """Rank 0, before the first step: remove a checkpoint write that a crash cut short, and the log
-    lines a crashed run wrote after its checkpoint (all of them for a fresh run). No step is logged
-    twice; the val/bpb/hella lines and samples of the checkpoint's own step stay when it has them."""
-    os.makedirs(log_dir, exist_ok=True)
-    for tmp in glob.glob(os.path.join(glob.escape(log_dir), 'model_*.pt.tmp*')):
-        os.remove(tmp)
-    trim_lines(os.path.join(log_dir, 'log.txt'), 0,
-               lambda s, words: s < start or (s == start and evaluated and words[1:2] in (['val'], ['bpb'], ['hella'])))
-    trim_lines(os.path.join(log_dir, 'samples.txt'), 1, lambda s, words: s < start or (s == start and evaluated))

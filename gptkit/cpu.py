@@ -3,18 +3,24 @@ The CPU's own speed tricks, in one place: a GPU never runs any of this, and none
 is computed, only how fast a CPU computes it (docs/benchmarks.md has the figures). The trainer and
 the tools call each in one line that says it is for the CPU.
 """
+import contextlib
 import ctypes
+import functools
 import os
 import sys
 import tempfile
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
 
 # torch.compile's kernel cache does not tell a process whose ATen kernels are forced to one CPU
 # capability (ATEN_CPU_CAPABILITY=avx2, how the tests play an AVX2-only CPU) from a native one:
 # kernels cached by one gave NaNs from step 0, or a corrupted heap, in the other. Such a process
 # gets a cache of its own (read by inductor when it compiles, after the trainer imports this).
 if os.environ.get('ATEN_CPU_CAPABILITY') and 'TORCHINDUCTOR_CACHE_DIR' not in os.environ:
-    os.environ['TORCHINDUCTOR_CACHE_DIR'] = os.path.join(
-        tempfile.gettempdir(), f"torchinductor_{getattr(os, 'getuid', int)()}_{os.environ['ATEN_CPU_CAPABILITY']}")
+    os.environ['TORCHINDUCTOR_CACHE_DIR'] = os.path.join(tempfile.gettempdir(), (
+        f"torchinductor_{getattr(os, 'getuid', int)()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 
 
 def reuse_freed_memory():
@@ -29,3 +35,109 @@ def reuse_freed_memory():
         M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
         mallopt(M_MMAP_MAX, 0)
         mallopt(M_TRIM_THRESHOLD, -1)  # -1 is SIZE_MAX to glibc: never trim
+
+
+# -----------------------------------------------------------------------------
+# training: the output layer and the loss in one pass (model.py's GPT.forward, on a CPU)
+
+def fused_loss_applies(h, reduction):
+    """Whether GPT.forward's loss goes through linear_cross_entropy: a training step (grad on, the
+    mean loss) on a CPU, not compiled. Compiled, or on a GPU, it is F.cross_entropy: inductor fuses
+    that by itself, and turning compile off to debug a GPU run changes no loss code."""
+    return torch.is_grad_enabled() and h.is_cpu and reduction == 'mean' and not torch.compiler.is_compiling()
+
+
+def linear_cross_entropy(h, weight, targets):
+    """The mean cross-entropy of h @ weight.T against targets; h (B, T, C), targets (B, T)."""
+    return LinearCrossEntropy.apply(h.view(-1, h.size(-1)), weight, targets.reshape(-1))
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Training loss: the mean cross-entropy of the output layer's logits h @ weight.T, which
+    computes their gradient in the forward pass. The logits (N, V) are the one large tensor: each
+    block of rows turns into softmax - onehot in place while it is in cache, and the backward is
+    two matmuls. F.linear + F.cross_entropy allocate and stream over four (N, V) tensors (logits,
+    log-probabilities, and two gradients) instead: on a CPU this step is faster and peaks lower
+    (bench.py; the figures are in docs/benchmarks.md). Same loss and gradients, to float rounding."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets):  # h (N, C), weight (V, C), targets (N,)
+        logits = F.linear(h, weight)  # (N, V), in autocast's dtype
+        N, V = logits.shape
+        rows = max(1, (2 ** 21 if logits.is_cpu else 2 ** 28) // V)  # CPU: ~8 MB of float32, in cache
+        loss = torch.zeros((), device=h.device)
+        for i in range(0, N, rows):
+            block = logits[i:i + rows]
+            x = block.float()  # block itself in float32, else a float32 copy: exp and sums in float32
+            t = targets[i:i + rows, None]
+            lse = torch.logsumexp(x, dim=1, keepdim=True)
+            loss += (lse - x.gather(1, t)).sum()
+            x.sub_(lse).exp_()  # softmax
+            x.scatter_add_(1, t, torch.full_like(t, -1, dtype=x.dtype))  # - onehot
+            if x is not block:
+                block.copy_(x)
+        # the 1/N and the loss scale wait for the backward: in float16, (softmax - onehot) / N
+        # of a large batch would underflow, as F.cross_entropy's gradient does before scaling
+        ctx.save_for_backward(h, weight, logits)
+        return loss / N
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        h, weight, grad = ctx.saved_tensors  # grad (N, V): softmax - onehot
+        scale = grad_loss / grad.size(0)
+        grad_h = (grad @ weight.to(grad.dtype)).mul_(scale)  # (N, C)
+        # h scaled first, as F.cross_entropy's float16 gradient is
+        grad_w = grad.t() @ (h.to(grad.dtype) * scale)  # (V, C)
+        return grad_h.to(h.dtype), grad_w.to(weight.dtype), None
+
+
+# -----------------------------------------------------------------------------
+# HellaSwag's scoring (hellaswag.py), in float32 on a CPU
+
+# torch.compile's CPU linear (oneDNN); absent from some builds
+ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, '_linear_pointwise')
+
+
+def onednn_linear(layer, x):
+    """layer(x) through oneDNN (blocks_through_onednn routes a layer here only on CPU in float32)."""
+    return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+
+
+@contextlib.contextmanager
+def blocks_through_onednn(model):
+    """Within it, the nn.Linear layers of the model's blocks multiply through oneDNN when the model
+    is on a CPU in float32 (elsewhere nothing changes): HellaSwag scores faster than with torch's
+    default float32 matmul (MKL, which keeps to AVX2 on AMD CPUs). The GELU stays the model's own
+    pass (oneDNN's fused GELU epilogue was no faster), and the output layer keeps torch's matmul
+    (token_losses). The layers' own forward is back on the way out."""
+    w = model.lm_head.weight
+    on = ONEDNN_LINEAR and w.is_cpu and w.dtype == torch.float32 and not torch.is_autocast_enabled('cpu')
+    layers = [m for m in model.transformer.h.modules() if isinstance(m, nn.Linear)] if on else []
+    # None: the class's forward (a nested use keeps the outer one's)
+    before = [layer.__dict__.get('forward') for layer in layers]
+    try:
+        for layer in layers:
+            layer.forward = functools.partial(onednn_linear, layer)  # the instance's, before the class's
+        yield
+    finally:
+        for layer, forward in zip(layers, before):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
+
+
+def token_losses(h, weight, at, targets):
+    """-log p(targets[i]) from the output layer (weight, no bias) applied to h[at[i]], in float32:
+    the logits go 512 words of the vocabulary at a time, each (N, 512) block in cache from the
+    matmul through its log-sum-exp (faster than whole rows), a target's logit picked from its
+    block. Torch's own matmul (MKL) here: faster than oneDNN for these thin products."""
+    V = weight.size(0)
+    lse = torch.empty(len(h), (V + 511) // 512)
+    picked = torch.empty(len(targets))
+    for c, v in enumerate(range(0, V, 512)):
+        logits = F.linear(h, weight[v:v + 512]).float()  # no copy in float32
+        lse[:, c] = torch.logsumexp(logits, dim=1)
+        here = (targets >= v) & (targets < v + 512)
+        picked[here] = logits[at[here], targets[here] - v]
+    return torch.logsumexp(lse, dim=1)[at] - picked

@@ -3,7 +3,6 @@ The device this process computes on: which one ("auto"), in which precision (dty
 autocast), what its CPU can do (bf16 units), and how fast it
 multiplies (peak FLOP/s for MFU). docs/precision.md tells why each choice is made.
 """
-import os
 import re
 import time
 
@@ -35,15 +34,25 @@ def pick_device(device, local_rank=None):
     if device == 'auto':
         device = 'cuda' if cuda else 'mps' if mps else 'cpu'
     kind = device_type(device)
-    if kind == 'cuda':  # set_device needs an index
-        device = f'cuda:{local_rank}' if local_rank is not None else 'cuda:0' if device == 'cuda' else device
+    if kind == 'cuda' and local_rank is not None:  # torchrun: one GPU per process
+        device = f'cuda:{local_rank}'
+    elif device == 'cuda':  # set_device needs an index
+        device = 'cuda:0'
     n_gpus = torch.cuda.device_count() if cuda else 0
-    if (kind == 'cuda' and torch.device(device).index >= n_gpus) or (kind == 'mps' and not mps):
+    why = None
+    if kind == 'cuda' and torch.device(device).index >= n_gpus and torch.version.cuda is None:
+        why = f"this torch {torch.__version__} is built without CUDA"
+    elif kind == 'cuda' and torch.device(device).index >= n_gpus:
+        why = f"torch sees {n_gpus or 'no'} CUDA GPU{'s' * (n_gpus > 1)}"
+    elif kind == 'mps' and not mps:
+        why = "torch sees no Apple GPU"
+    if why:
         here = ['cpu'] + [f'cuda:{i}' for i in range(n_gpus)] + ['mps'] * mps
-        why = (f"this torch {torch.__version__} is built without CUDA" if kind == 'cuda' and torch.version.cuda is None
-               else f"torch sees {n_gpus or 'no'} CUDA GPU{'s' * (n_gpus > 1)}" if kind == 'cuda' else "torch sees no Apple GPU")
-        torchrun = f" ({device} for torchrun's LOCAL_RANK={local_rank})" if kind == 'cuda' and local_rank is not None else ""
-        raise UserError(f"device={asked!r}{torchrun} is not on this machine ({why}); devices here: {', '.join(here)} "
+        if kind == 'cuda' and local_rank is not None:
+            asked = f"{asked!r} ({device} for torchrun's LOCAL_RANK={local_rank})"
+        else:
+            asked = repr(asked)
+        raise UserError(f"device={asked} is not on this machine ({why}); devices here: {', '.join(here)} "
                         f"(device='auto' picks the best of them)")
     return device
 
@@ -96,7 +105,7 @@ def resolve_dtype(dtype, device):
 def choose_precision(config, device):
     """The config with dtype and compile made concrete for this device ("auto"), the same on every
     rank; rank 0 says what it chose and why."""
-    from gptkit import parallel  # the trainer's path only: the tools that use this file need none of DDP's and FSDP's imports
+    from gptkit import parallel  # the trainer's path only: the tools need none of DDP's and FSDP's imports
     dtype, why = resolve_dtype(config['dtype'], device)
     least = PRECISIONS[parallel.agree(PRECISIONS.index(dtype), 'min')]  # every rank must compute alike
     if least != dtype:
@@ -104,8 +113,8 @@ def choose_precision(config, device):
     if parallel.rank() == 0:
         print(f"precision: {dtype} ({why}){', with loss scaling' if dtype == 'float16' else ''}")
         if dtype == 'bfloat16' and torch.device(device).type == 'cpu' and not cpu_has_bf16():
-            print("warning: this CPU has no bf16 units: bfloat16 is emulated, ~100x slower than float32 (dtype='auto' "
-                  "picks float32 here)")
+            print("warning: this CPU has no bf16 units: bfloat16 is emulated, ~100x slower than float32 "
+                  "(dtype='auto' picks float32 here)")
     compiled = torch.device(device).type == 'cuda' if config['compile'] == 'auto' else config['compile']
     return dict(config, dtype=dtype, compile=compiled)
 
@@ -119,15 +128,16 @@ def sync(device):
 
 
 # dense bf16/fp16 tensor-core peaks from NVIDIA's datasheets (FLOP/s), the first name that matches
-GPU_PEAK_FLOPS = (('H200', 989e12), ('H100 PCIe', 756e12), ('H100 NVL', 835e12), ('H100', 989e12), ('A100', 312e12),
-                  ('L40S', 362e12), ('L40', 181e12), ('A10G', 70e12), ('A10', 125e12), ('L4', 121e12),
-                  ('RTX 4090', 165e12), ('RTX 3090', 71e12), ('V100', 125e12), ('B200', 2250e12))
+GPU_PEAK_FLOPS = (('H200', 989e12), ('H100 PCIe', 756e12), ('H100 NVL', 835e12), ('H100', 989e12),
+                  ('A100', 312e12), ('L40S', 362e12), ('L40', 181e12), ('A10G', 70e12), ('A10', 125e12),
+                  ('L4', 121e12), ('RTX 4090', 165e12), ('RTX 3090', 71e12), ('V100', 125e12),
+                  ('B200', 2250e12))
 
 
 def matmul_flops(device, dtype, n=None, reps=10):
     """FLOP/s of an n x n @ n x n matmul in dtype on device (bf16/fp16 inputs, as autocast makes them)."""
     n = n or (8192 if device.startswith('cuda') else 2048)
-    a, b = (torch.randn(n, n, device=device, dtype=AUTOCAST_DTYPES.get(dtype, torch.float32)) for _ in range(2))
+    a, b = torch.randn(2, n, n, device=device, dtype=AUTOCAST_DTYPES.get(dtype, torch.float32))
     for _ in range(2):
         a @ b
     sync(device)
@@ -141,7 +151,7 @@ def matmul_flops(device, dtype, n=None, reps=10):
 def peak_flops(device, dtype):
     """(FLOP/s, where from) for MFU: a known NVIDIA GPU's datasheet peak in bf16/fp16, else a matmul
     measured now (float32, other GPUs, Apple's); on a CPU (None, why): no peak there holds still."""
-    if device == 'cpu':  # a matmul timed at start moved 5x between runs on one machine (issue 31): MFUs over 100%
+    if device == 'cpu':  # a matmul timed at start moved 5x between runs on one machine: MFUs over 100%
         return None, ("not shown on a CPU: its matmul rate moves with the load, the threads and the "
                       "shapes, so no peak holds; tok/sec is the figure to compare")
     if device.startswith('cuda') and dtype in AUTOCAST_DTYPES:

@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import os
 import re
-import traceback
 
 import torch
 
@@ -25,13 +24,14 @@ from gptkit.parallel import agree
 
 HEADROOM = 0.9  # of the free memory: fragmentation and every rank's own extras
 OVERHEAD = {'cuda': 2.5e9, 'mps': 1.0e9, 'cpu': 0.3e9}  # bytes; H200, 124M, B=64: 2.2 GB past the count
-# the CPU's peak RSS over the count: the backward's passing gradients and glibc's heap; measured 1.06-1.26x
-# with glibc's defaults (tests/test_memory.py), and cpu_reuse_memory keeps freed blocks (+25%, docs/benchmarks.md)
+# the CPU's peak RSS over the count: the backward's passing gradients and glibc's heap; measured
+# 1.06-1.26x with glibc's defaults (tests/test_memory.py), and cpu_reuse_memory keeps freed blocks
+# (+25%, docs/benchmarks.md)
 ACTIVATIONS_TIMES = {'cpu': 1.5}  # on a GPU the logits' bytes below are measured peaks: 1
 # peak bytes per logit of the loss on a GPU (F.cross_entropy), fitted to the H200's max_memory_allocated
 # at 124M, B=64 (docs/benchmarks.md): eager keeps the float32 log-probabilities (4) and its backward makes
 # two more float32 tensors (8): 61,007 MiB (build-nanogpt's step, the same loss); compiled, inductor's
-# fused kernels peak near 6: 42,222 MiB. On a CPU model.LinearCrossEntropy keeps the logits in
+# fused kernels peak near 6: 42,222 MiB. On a CPU the fused loss (gptkit/cpu.py) keeps the logits in
 # autocast's dtype: counted exactly.
 GPU_LOGIT_BYTES = {True: 6, False: 12}  # compiled: bytes
 MAX_B = 64
@@ -112,8 +112,9 @@ def micro_batch(c, model_config, device, world=1, free=None):
     most MAX_B and fits the device's free memory (free: bytes, else asked of the device) on every
     rank, and the line that says why. Every rank calls it; plan keeps what it saw."""
     B, T, fsdp = c['B'], c['T'], c['parallel'] == 'fsdp' and world > 1  # one process: FSDP is off
-    # counted when first asked: at the start for "auto", else only if memory runs out (the count takes ~1 s)
-    counted = functools.cache(lambda: estimate(model_config, T, c['dtype'], device, c['compile'] is True, world, fsdp))
+    # counted when first asked: at the start for "auto", else only if memory runs out (it takes ~1 s)
+    compiled = c['compile'] is True
+    counted = functools.cache(lambda: estimate(model_config, T, c['dtype'], device, compiled, world, fsdp))
     free, total = free_and_total(device) if free is None else (free, free)
     plan.update(need=lambda b: counted()(b), free=free, total=total, device=device, fsdp=fsdp,
                 share=max(1, c['total_batch_size'] // (T * world)))
@@ -123,11 +124,16 @@ def micro_batch(c, model_config, device, world=1, free=None):
     mine = fits or 1
     B = agree(mine, "min")  # the rank with the least memory decides
     more = _next_divisor(B)
-    line = (f"B={B} (auto): {need(B) / 1e9:.1f} GB needed of {free / 1e9:.1f} GB free on {device} "
-            f"({total / 1e9:.1f} GB)" + (f", B={more} would need {need(more) / 1e9:.1f}" if more else
-                                         f", all of a rank's share of total_batch_size")
-            + (f"; another rank has less free memory (B={mine} fits here)" if B < mine else "")
-            + ("; even B=1 does not fit by the estimate" if not fits else ""))
+    line = f"B={B} (auto): {need(B) / 1e9:.1f} GB needed of {free / 1e9:.1f} GB free on {device} "
+    line += f"({total / 1e9:.1f} GB)"
+    if more:
+        line += f", B={more} would need {need(more) / 1e9:.1f}"
+    else:
+        line += ", all of a rank's share of total_batch_size"
+    if B < mine:
+        line += f"; another rank has less free memory (B={mine} fits here)"
+    if not fits:
+        line += "; even B=1 does not fit by the estimate"
     return B, line
 
 
@@ -156,32 +162,31 @@ def _next_divisor(B):
 
 def examples_per_batch(B, T):
     """HellaSwag's batch during training: about as many tokens as a training micro-batch (an example
-    packs into fewer than 256 tokens with its 4 endings), at most hellaswag.py's 32: it fits where a step fits."""
+    packs into fewer than 256 tokens with its 4 endings), at most hellaswag.py's 32: it fits where a
+    step fits."""
     return max(1, min(32, B * T // 256))
 
 
-# where an out-of-memory error happened: the innermost of these frames
-PHASES = {('train_gpt2.py', 'train_step'): 'the training step', ('train_gpt2.py', 'evaluate'): 'the val loss',
-          ('hellaswag.py', 'evaluate'): 'HellaSwag', ('sample.py', 'training_samples'): 'the samples'}
-
-
-def out_of_memory(error, B):
-    """The one line for error when the device ran out of memory; else None."""
-    if not (isinstance(error, torch.OutOfMemoryError) or re.search(r'out of memory|can.t allocate memory', str(error))):
+def out_of_memory(error, B, phase):
+    """The one line for error when the device ran out of memory while the run was in phase (the
+    trainer names it); else None."""
+    said = re.search(r'out of memory|can.t allocate memory', str(error))
+    if not (isinstance(error, torch.OutOfMemoryError) or said):
         return None
-    phase = 'the setup'
-    for frame, _ in traceback.walk_tb(error.__traceback__):
-        phase = PHASES.get((os.path.basename(frame.f_code.co_filename), frame.f_code.co_name), phase)
-    where = f"{plan['device']} ({plan['total'] / 1e9:.1f} GB, {plan['free'] / 1e9:.1f} free at the start)" if plan else 'the device'
-    fits = fitting_B() if plan else 0
-    wrong = plan and fits >= B  # the estimate said B fits (fragmentation, another process): the next B down
-    fits = max((b for b in _divisors() if b < B), default=0) if wrong else fits
-    if not plan:
-        advice = "lower B, or free the device's memory"
-    elif fits:
-        advice = (f"the estimate said B={B} fits, so try B={fits}" if wrong else f"B={fits} fits by the estimate") + \
-            f": run the same command with --B={fits}"
+    if not plan:  # before the start counted anything
+        return (f"error: out of memory in {phase} at B={B} on the device: lower B, or free the "
+                f"device's memory (the last checkpoint stands)")
+    where = f"{plan['device']} ({plan['total'] / 1e9:.1f} GB, {plan['free'] / 1e9:.1f} free at the start)"
+    fits = fitting_B()
+    if fits >= B:  # the estimate said B fits (fragmentation, another process): the next B down
+        fits = max((b for b in _divisors() if b < B), default=0)
+        advice = f"the estimate said B={B} fits, so try B={fits}" if fits else "B=1 does not fit"
     else:
-        advice = ("B=1 does not fit" if wrong else "even B=1 does not fit by the estimate") + ": " + (
-            "more GPUs or a smaller model" if plan['fsdp'] else "parallel='fsdp' under torchrun shards the state")
+        advice = f"B={fits} fits by the estimate" if fits else "even B=1 does not fit by the estimate"
+    if fits:
+        advice += f": run the same command with --B={fits}"
+    elif plan['fsdp']:
+        advice += ": more GPUs or a smaller model"
+    else:
+        advice += ": parallel='fsdp' under torchrun shards the state"
     return f"error: out of memory in {phase} at B={B} on {where}: {advice} (the last checkpoint stands)"

@@ -1,8 +1,8 @@
 """
-The optimizers and the learning-rate schedule.
+The learning-rate schedule (get_lr) and the optimizer behind optimizer="muon" (MuonAdamW).
 
-The learning rate of each step, a pure function of the step and the constants (so a resumed run
-continues its schedule): linear warmup over warmup_steps, then
+The schedule: the learning rate of each step is a pure function of the step and the constants, so
+a resumed run continues it. A linear warmup over warmup_steps, then
 
 - "cosine" (the default, build-nanogpt's): cosine decay from max_lr to min_lr at max_steps;
 - "wsd" (warmup-stable-decay, "trapezoidal"): constant at max_lr, then a decay to min_lr over the
@@ -10,11 +10,12 @@ continues its schedule): linear warmup over warmup_steps, then
   max_steps: a run whose max_steps is raised before its decay began resumes in its stable phase
   and decays later (docs/recipes.md).
 
-optimizer="muon": Muon for the transformer blocks' weight matrices (attention and MLP), AdamW for
-everything else (token and position embeddings, the tied output layer, biases, layer norms), as one
-torch optimizer: one list of param groups (the trainer sets each group's lr, times its lr_scale),
-one state indexed as a single optimizer's (so checkpoints, FSDP's full state and GradScaler see one
-optimizer), one step. docs/recipes.md says when to use it.
+The optimizer: optimizer="adamw" is torch's fused AdamW alone (model.py:GPT.configure_optimizers).
+optimizer="muon" gives the transformer blocks' weight matrices (attention and MLP) to Muon and
+everything else (token and position embeddings, the tied output layer, biases, layer norms) to
+AdamW, as one torch optimizer: one list of param groups (the trainer sets each group's lr, times
+its lr_scale), one state indexed as a single optimizer's (so checkpoints, FSDP's full state and
+GradScaler see one optimizer), one step. docs/recipes.md says when to use it.
 
 The Muon update is torch.optim.Muon's, bit for bit (a test holds them together), computed here so
 that a step the trainer skips changes nothing without the host waiting: like fused AdamW, it reads
@@ -28,11 +29,14 @@ import math
 
 import torch
 
+# the choices of the trainer's constants lr_schedule, decay_shape and optimizer
 SCHEDULES = ('cosine', 'wsd')
 DECAY_SHAPES = ('linear', '1-sqrt')
+OPTIMIZERS = ('adamw', 'muon')  # AdamW alone, or MuonAdamW
 
 
-def get_lr(step, max_lr, min_lr, warmup_steps, max_steps, schedule='cosine', decay_frac=0.2, decay_shape='linear'):
+def get_lr(step, max_lr, min_lr, warmup_steps, max_steps, schedule='cosine', decay_frac=0.2,
+           decay_shape='linear'):
     if step < warmup_steps:  # linear warmup, never exactly 0
         return max_lr * (step + 1) / warmup_steps
     if step >= max_steps:
@@ -44,10 +48,8 @@ def get_lr(step, max_lr, min_lr, warmup_steps, max_steps, schedule='cosine', dec
     progress = (step - (max_steps - decay_steps)) / decay_steps  # <= 0 in the stable phase, -> 1 at max_steps
     if progress <= 0:
         return max_lr
-    fall = progress if decay_shape == 'linear' else math.sqrt(progress)  # 1-sqrt: quick at first, gentle at the end
+    fall = progress if decay_shape == 'linear' else math.sqrt(progress)  # 1-sqrt: quick first, gentle last
     return max_lr - fall * (max_lr - min_lr)
-
-OPTIMIZERS = ('adamw', 'muon')  # the trainer's optimizer choices: AdamW alone, or this
 
 
 def orthogonalize(g, coefficients, steps, eps):
@@ -63,14 +65,6 @@ def orthogonalize(g, coefficients, steps, eps):
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
         x = torch.addmm(x, poly, x, beta=a)  # a X + (b A + c A^2) X
     return x if wide else x.T
-
-
-def lr_ratio(adjust_lr_fn, shape):
-    """How torch.optim.Muon scales lr for a matrix of this shape."""
-    rows, cols = shape[:2]
-    if adjust_lr_fn == 'match_rms_adamw':  # the update's RMS as AdamW's: lr and weight decay carry over
-        return 0.2 * math.sqrt(max(rows, cols))
-    return math.sqrt(max(1, rows / cols))
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -102,7 +96,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.adamw.step()
         del self.adamw.found_inf
         device = self.muon.param_groups[0]['params'][0].device
-        keep = torch.ones((), dtype=torch.bool, device=device) if found_inf is None else found_inf == 0  # once a step
+        keep = torch.ones((), dtype=torch.bool, device=device) if found_inf is None else found_inf == 0
         for group in self.muon.param_groups:
             for p in group['params']:
                 if p.grad is not None:
@@ -117,7 +111,12 @@ class MuonAdamW(torch.optim.Optimizer):
         new_buf = buf.lerp(grad, 1 - momentum)
         update = grad.lerp(new_buf, momentum) if group['nesterov'] else new_buf
         update = orthogonalize(update, group['ns_coefficients'], group['ns_steps'], group['eps'])
+        rows, cols = p.shape[:2]  # how torch.optim.Muon scales lr for a matrix of this shape:
+        if group['adjust_lr_fn'] == 'match_rms_adamw':  # the update's RMS as AdamW's, so lr carries over
+            lr_ratio = 0.2 * math.sqrt(max(rows, cols))
+        else:
+            lr_ratio = math.sqrt(max(1, rows / cols))
         new_p = p.mul(1 - lr * group['weight_decay'])
-        new_p.add_(update, alpha=-lr * lr_ratio(group['adjust_lr_fn'], p.shape))
-        torch.where(keep, new_buf, buf, out=buf)  # skipped: the old values, bit for bit, decided on the device
+        new_p.add_(update, alpha=-lr * lr_ratio)
+        torch.where(keep, new_buf, buf, out=buf)  # skipped: the old values, bit for bit, on the device
         torch.where(keep, new_p, p, out=p)

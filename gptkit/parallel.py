@@ -26,7 +26,6 @@ import gc
 import os
 import re
 import sys
-import traceback
 from datetime import timedelta
 
 import torch
@@ -52,18 +51,21 @@ def restart_store():
     restarted group would read the dead group's keys (a hang or a failed connect)."""
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
         return None
-    if int(os.environ.get('GROUP_WORLD_SIZE', 1)) == 1:  # one node's agent counts the attempts, so they key it
-        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), int(os.environ['WORLD_SIZE']),
+    env = os.environ
+    if int(env.get('GROUP_WORLD_SIZE', 1)) == 1:  # one node's agent counts the attempts, so they key it
+        store = dist.TCPStore(env['MASTER_ADDR'], int(env['MASTER_PORT']), int(env['WORLD_SIZE']),
                               is_master=False, timeout=timedelta(minutes=10))
-        return dist.PrefixStore(f"train_gpt2/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-    if int(os.environ['RANK']) == 0 and int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)) > 0:  # nodes count apart
-        print("warning: restarts on several nodes: a restarted worker group can read the dead group's keys in "
-              "torchrun's shared store; launch torchrun with --rdzv-backend=c10d and "
-              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so that each group meets in a new store (see docs/resume.md)")
+        return dist.PrefixStore(f"train_gpt2/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
+    if int(env['RANK']) == 0 and int(env.get('TORCHELASTIC_MAX_RESTARTS', 0)) > 0:  # nodes count apart
+        print("warning: restarts on several nodes: a restarted worker group can read the dead group's keys "
+              "in torchrun's shared store; launch torchrun with --rdzv-backend=c10d and "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so that each group meets in a new store "
+              "(see docs/resume.md)")
     return None
 
 
-PATIENCE = timedelta(days=7)  # wait_for_all: "as long as it takes"; a rank that dies ends the run through torchrun
+# wait_for_all: "as long as it takes"; a rank that dies ends the run through torchrun
+PATIENCE = timedelta(days=7)
 _patient_group = None  # the gloo group of wait_for_all
 
 
@@ -81,17 +83,14 @@ def wait_for_all():
         dist.barrier(group=_patient_group)
 
 
-def gave_up(error, rank, timeout):
+def gave_up(error, rank, timeout, phase):
     """The one line for error when it is a collective that gave up waiting for the other ranks
-    (timeout seconds), naming where: the innermost frame of this project's files; else None."""
+    (timeout seconds) while the run was in phase (the trainer names it); else None."""
     if not (dist.is_initialized() and re.search(r'[Tt]imed? ?out', str(error))):
         return None
-    here, where = os.path.dirname(os.path.abspath(__file__)), 'an unknown place'
-    for frame, line in traceback.walk_tb(error.__traceback__):
-        if os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
-            where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}, line {line}"
-    return (f"error: rank {rank} waited more than collective_timeout={timeout} s for the other ranks in {where}: one of "
-            f"them is stuck or gone; the last checkpoint stands: run the same command again to resume")
+    return (f"error: rank {rank} waited more than collective_timeout={timeout} s for the other ranks in "
+            f"{phase}: one of them is stuck or gone; the last checkpoint stands: run the same command again "
+            f"to resume")
 
 
 def end_process_group(finished):
@@ -108,8 +107,9 @@ def end_process_group(finished):
 
 
 def collective_device():
-    """Where small tensors for collectives live: the GPU for NCCL (it reads nothing else), the CPU for gloo."""
-    return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
+    """Where small tensors for collectives live: the GPU for NCCL (it reads nothing else), the CPU
+    for gloo."""
+    return torch.device('cuda' if dist.get_backend() == 'nccl' else 'cpu')  # cuda: the current GPU
 
 
 def agree(value, op='max'):
@@ -153,9 +153,9 @@ def wrap_ddp(model, device):
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    wait_for_all()  # the ranks read their data and checkpoint each at its own pace; DDP's broadcast is bounded
-    return DDP(model, device_ids=[torch.device(device).index] if device.startswith('cuda') else None,
-               gradient_as_bucket_view=True)
+    wait_for_all()  # the ranks read data and checkpoint each at its own pace; DDP's broadcast is bounded
+    device_ids = [torch.device(device).index] if device.startswith('cuda') else None
+    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
 
 def zero_grad(model, optimizer):
@@ -219,7 +219,8 @@ def full(t):
 def clip_grad_norm(model, max_norm):
     """Clip the gradients to a global norm of max_norm (0: no clipping) and return that norm, the
     same on every rank: DDP's gradients are already whole; FSDP's shards make it a collective."""
-    return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float('inf')))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float('inf'))
+    return full(norm)
 
 # -----------------------------------------------------------------------------
 # evals and checkpoints: the whole model, the full state
@@ -263,8 +264,11 @@ def full_state(model, optimizer):
         return gathered[key]
     model_state = {k: keep(v) for k, v in model.state_dict().items()}
     opt = optimizer.state_dict()  # indexed by position in the param groups, as without FSDP
-    opt_state = {i: {k: keep(v) if torch.is_tensor(v) else v for k, v in s.items()} for i, s in opt['state'].items()}
-    return (model_state, {'state': opt_state, 'param_groups': opt['param_groups']}) if rank() == 0 else (None, None)
+    opt_state = {i: {k: keep(v) if torch.is_tensor(v) else v for k, v in s.items()}
+                 for i, s in opt['state'].items()}
+    if rank() > 0:
+        return None, None
+    return model_state, {'state': opt_state, 'param_groups': opt['param_groups']}
 
 
 def load_full_state(model, optimizer, model_state, opt_state):
@@ -275,12 +279,14 @@ def load_full_state(model, optimizer, model_state, opt_state):
         optimizer.load_state_dict(opt_state)
         return
     from torch.distributed.tensor import distribute_tensor
+
+    def shard_like(p, t):  # this rank's shard of the full tensor t, placed as parameter p is
+        return distribute_tensor(t.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(distribute_tensor(model_state[name].to(p.device), p.device_mesh, p.placements, src_data_rank=None))
+            p.copy_(shard_like(p, model_state[name]))
     order = [p for group in optimizer.param_groups for p in group['params']]
-    state = {i: {k: distribute_tensor(v.to(order[i].device), order[i].device_mesh, order[i].placements,
-                                      src_data_rank=None) if torch.is_tensor(v) and v.dim() > 0 else v
+    state = {i: {k: shard_like(order[i], v) if torch.is_tensor(v) and v.dim() > 0 else v
                  for k, v in s.items()} for i, s in opt_state['state'].items()}
     optimizer.load_state_dict({'state': state, 'param_groups': opt_state['param_groups']})
 
@@ -288,6 +294,7 @@ def load_full_state(model, optimizer, model_state, opt_state):
 def state_mib(model, optimizer):
     """MiB of parameters, gradients and optimizer state that this rank holds (its shards under
     FSDP; whole tensors under DDP or one process)."""
-    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
-    tensors += [local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors = [local(t) for t in tensors]
     return sum(t.numel() * t.element_size() for t in tensors) / 2 ** 20

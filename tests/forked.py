@@ -24,13 +24,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "train_gpt2")
 # read when a run reads them, never at import: the same in a fork as in a fresh interpreter
-RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "FREE_0", "FREE_1", "FAULT", "WANDB_MODE", "WANDB_SILENT"}
+RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "FREE_0", "FREE_1", "FAULT",
+               "WANDB_MODE", "WANDB_SILENT"}
+# what a fork can be asked for of subprocess's keyword arguments
+FORKABLE_KW = {"cwd", "env", "stdout", "stderr", "text", "start_new_session", "capture_output", "timeout"}
 PIPE, STDOUT = subprocess.PIPE, subprocess.STDOUT
 
 
@@ -39,8 +44,7 @@ def forkable(cmd, kw):
     script, -c code or -m torch.distributed.run, ...], in an environment that changes nothing
     read at import, with no more than stdout/stderr (PIPE, STDOUT)/cwd/text/start_new_session/timeout
     asked for."""
-    if len(cmd) < 2 or cmd[0] != sys.executable or not set(kw) <= {"cwd", "env", "stdout", "stderr", "text",
-                                                                    "start_new_session", "capture_output", "timeout"}:
+    if len(cmd) < 2 or cmd[0] != sys.executable or not set(kw) <= FORKABLE_KW:
         return False
     if kw.get("stdout") not in (None, PIPE) or kw.get("stderr") not in (None, PIPE, STDOUT):
         return False
@@ -64,20 +68,60 @@ def Popen(cmd, **kw):
 
 
 def run(cmd, capture_output=False, timeout=None, **kw):
-    """subprocess.run(cmd, ...), forked when it can be: a CompletedProcess, or TimeoutExpired after
-    the child is killed."""
-    if not forkable(cmd, kw):
-        return subprocess.run(cmd, capture_output=capture_output, timeout=timeout, **kw)
+    """subprocess.run(cmd, ...), forked when it can be: a CompletedProcess, or TimeoutExpired once
+    the command and every process it started are gone (kill_job: torchrun's workers too)."""
     if capture_output:
         kw.update(stdout=PIPE, stderr=PIPE)
-    p = Forked(cmd, **kw)
+    p = Popen(cmd, **kw)
     try:
-        out, err = p.communicate(timeout)
+        out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
+        kill_job(p)
+        for f in (p.stdout, p.stderr):
+            if f:
+                f.close()
         raise
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def kill_job(p, timeout=60):
+    """kill -9 of the process p and all it started (torchrun: its workers), as a node failure or
+    SLURM's scancel does; returns once none of them runs. Killing torchrun's process group is not
+    enough: torchrun starts each worker in a session of its own, and the workers ran on (one held
+    run.lock when CI ran the same command again). A dying process holds its files until it is gone."""
+    tree, todo = [], [p.pid]
+    while todo:  # the whole tree first: a killed process's children are someone else's at once
+        tree.append(todo.pop())
+        todo += children(tree[-1])
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait()
+    t0 = time.time()
+    while any(state(pid) not in (None, "Z") for pid in tree[1:]):  # gone, or a zombie: its files closed
+        assert time.time() - t0 < timeout, f"processes {tree} still run {timeout} s after kill -9"
+        time.sleep(0.01)
+
+
+def children(pid):
+    """The pids of pid's children (torchrun's: its workers)."""
+    return [int(c) for c in os.listdir("/proc") if c.isdigit() and _stat(c)[1:2] == [str(pid)]]
+
+
+def state(pid):
+    """The process's state, as ps shows it ('R', 'S', 'Z' for a zombie, ...), or None once it is gone."""
+    return (_stat(pid) or [None])[0]
+
+
+def _stat(pid):
+    """/proc/pid/stat's fields after the command's name: state, ppid, ...; [] once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
 
 
 class Forked:
@@ -85,7 +129,8 @@ class Forked:
     returncode, stdout), over a child forked from this process. Output asked for with PIPE goes
     to a temporary file, read when asked (no pipe to fill up and block the child)."""
 
-    def __init__(self, cmd, cwd=None, env=None, stdout=None, stderr=None, text=False, start_new_session=False):
+    def __init__(self, cmd, cwd=None, env=None, stdout=None, stderr=None, text=False,
+                 start_new_session=False):
         for name in PRELOAD:  # imported once, by the first fork (sys.modules answers after it)
             __import__(name)
         self.args, self.returncode, self._text = cmd, None, text
@@ -96,8 +141,12 @@ class Forked:
         sys.stdout.flush()
         sys.stderr.flush()
         self.pid = os.fork()
-        if self.pid == 0:
-            _child(cmd, cwd, dict(os.environ if env is None else env), to, start_new_session)  # never returns
+        if self.pid == 0:  # the child: whatever the command does, it never returns to the test's code
+            status = 1
+            try:
+                status = _child(cmd, cwd, dict(os.environ if env is None else env), to, start_new_session)
+            finally:
+                os._exit(status)
         self._piped, self._pidfd = piped, os.pidfd_open(self.pid)
         self.stdout = self._open(1) if 1 in piped else None
         self.stderr = self._open(2) if 2 in piped else None
@@ -123,7 +172,7 @@ class Forked:
     def communicate(self, timeout=None):
         """(stdout, stderr) as subprocess gives them: all that PIPE collected, else None."""
         self.wait(timeout)
-        return tuple(getattr(self, name).read() if getattr(self, name) else None for name in ("stdout", "stderr"))
+        return tuple(f.read() if f else None for f in (self.stdout, self.stderr))
 
     def send_signal(self, sig):
         if self.poll() is None:
@@ -134,8 +183,9 @@ class Forked:
 
 
 def _child(cmd, cwd, env, to, new_session):
-    """In the forked child: become the command, run it as `python` would, and exit with its code."""
-    code = 1
+    """In the forked child: become the command and run it as `python` would; the status to exit
+    with, as python's (Ctrl-C not caught: killed by SIGINT, as python ends then)."""
+    status, interrupted = 1, False
     try:
         if new_session:
             os.setsid()
@@ -156,16 +206,15 @@ def _child(cmd, cwd, env, to, new_session):
         was_stdout = {id(sys.stdout), id(sys.__stdout__)}
         raw = bool(env.get("PYTHONUNBUFFERED"))  # as python buffers: by block, stderr and a terminal by line
         sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
-        sys.stdout = sys.__stdout__ = io.TextIOWrapper(open(1, "wb", buffering=0 if raw else -1, closefd=False),
-                                                       write_through=raw, line_buffering=os.isatty(1))
-        sys.stderr = sys.__stderr__ = io.TextIOWrapper(open(2, "wb", buffering=0 if raw else -1, closefd=False),
-                                                       write_through=raw, line_buffering=True,
-                                                       errors="backslashreplace")
-        # as a fresh interpreter starts: default signal handlers, warnings, logging and threads
+        sys.stdout = sys.__stdout__ = _stream(1, raw, line_buffering=os.isatty(1))
+        sys.stderr = sys.__stderr__ = _stream(2, raw, line_buffering=True, errors="backslashreplace")
+        # as a fresh interpreter starts: default signal handlers, hooks, warnings, logging and threads
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for sig in (signal.SIGTERM, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        sys.excepthook, sys.unraisablehook = sys.__excepthook__, sys.__unraisablehook__  # pytest's report
+        threading.excepthook = threading.__excepthook__  # nothing: an error in a thread went unseen
         import faulthandler
         import logging
         import torch
@@ -175,15 +224,16 @@ def _child(cmd, cwd, env, to, new_session):
         for action, category in (("default", DeprecationWarning), ("ignore", DeprecationWarning),
                                  ("ignore", PendingDeprecationWarning), ("ignore", ImportWarning),
                                  ("ignore", ResourceWarning)):
-            warnings.filterwarnings(action, category=category, module="__main__" if action == "default" else "",
-                                    append=True)
+            module = "__main__" if action == "default" else ""
+            warnings.filterwarnings(action, category=category, module=module, append=True)
         logging.root.handlers.clear()  # pytest's capture
         logging.root.setLevel(logging.WARNING)
-        for logger in logging.Logger.manager.loggerDict.values():  # torch's: made on the test's streams, closed here
+        # torch's loggers: made on the test's streams, closed here
+        for logger in logging.Logger.manager.loggerDict.values():
             for h in getattr(logger, "handlers", []):
                 if type(h) is logging.StreamHandler:
                     h.stream = sys.stdout if id(h.stream) in was_stdout else sys.stderr  # no flush of the old
-        torch.set_num_threads(1)  # OMP_NUM_THREADS=1 (forkable): OpenMP's pool of threads is not in the fork
+        torch.set_num_threads(1)  # OMP_NUM_THREADS=1 (forkable): OpenMP's threads are not in the fork
         if cmd[1] == "-c":
             sys.argv = ["-c", *cmd[3:]]
             sys.path[0:0] = [""]
@@ -192,30 +242,49 @@ def _child(cmd, cwd, env, to, new_session):
         elif cmd[1] == "-m":
             import runpy
             sys.argv = [cmd[2], *cmd[3:]]
+            sys.modules.pop(cmd[2], None)  # run afresh as __main__, as python -m does (runpy warns otherwise)
             runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
         else:
             import runpy
             sys.argv = cmd[1:]
             sys.path[0:0] = [os.path.dirname(os.path.abspath(cmd[1]))]
             runpy.run_path(cmd[1], run_name="__main__")
-        code = 0
+        status = 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
+            status = exit_status(e.code or 0)
         else:
             print(e.code, file=sys.stderr)
     except BaseException as e:  # the traceback from the command's own first frame, as python prints it
-        tb = e.__traceback__
-        while tb and tb.tb_frame.f_code.co_filename in (__file__, getattr(sys.modules.get("runpy"), "__file__", "")):
+        tb, ours = e.__traceback__, (__file__, getattr(sys.modules.get("runpy"), "__file__", ""))
+        while tb and tb.tb_frame.f_code.co_filename in ours:
             tb = tb.tb_next
         traceback.print_exception(type(e), e, tb)
-        code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
-    finally:
+        interrupted = isinstance(e, KeyboardInterrupt)
+    for f in (sys.stdout, sys.stderr):  # as python flushes them at exit: one that fails is reported, 120
         try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            if code < 0:  # killed by the signal, as Python ends after an unhandled KeyboardInterrupt
-                signal.signal(-code, signal.SIG_DFL)
-                os.kill(os.getpid(), -code)
-            os._exit(code & 0xFF)
+            if f is not None and not getattr(f, "closed", False):
+                f.flush()
+        except Exception as e:  # reported as sys.__unraisablehook__ does, from the flush's own frame
+            print(f"Exception ignored in: {f!r}", file=sys.stderr)
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+            status = 120
+    if interrupted:  # python's end after an unhandled Ctrl-C: killed by SIGINT, or 130 where it is blocked
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        status = 128 + signal.SIGINT
+    return status
+
+
+def _stream(fd, raw, **kw):
+    """sys.stdout or sys.stderr over fd, as python makes them: buffered (by block unless kw says by
+    line), written through with PYTHONUNBUFFERED (raw)."""
+    binary = open(fd, "wb", buffering=0 if raw else -1, closefd=False)
+    return io.TextIOWrapper(binary, write_through=raw, **kw)
+
+
+def exit_status(code):
+    """The status python exits with after sys.exit(code), code an int: the low byte of a C long, and
+    255 (C's -1) for an int too big for one. sys.exit(-9) is 247, not a death by SIGKILL."""
+    bits = 8 * ctypes.sizeof(ctypes.c_long)
+    return (code if -2 ** (bits - 1) <= code < 2 ** (bits - 1) else -1) & 0xFF

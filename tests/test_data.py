@@ -28,7 +28,8 @@ def make_shards(tmp_path, lengths):
 ])
 def test_ranks_disjoint_cover_and_lockstep(tmp_path, world, accum, lengths):
     make_shards(tmp_path, lengths)
-    loaders = [DataLoaderLite(B, T, r, world, "train", str(tmp_path), accum_steps=accum) for r in range(world)]
+    loaders = [DataLoaderLite(B, T, r, world, "train", str(tmp_path), accum_steps=accum)
+               for r in range(world)]
     step_tokens = B * T * world * accum
     for shard, start in expected_runs(lengths, step_tokens, 12):
         run = shard * 10000 + np.arange(start, start + step_tokens + 1)
@@ -68,18 +69,20 @@ def test_error_paths(tmp_path):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path / "nope"))
     with pytest.raises(UserError, match=r"no train shard \(\*_train_\*\.npy\) in .*run `python fineweb.py`"):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
-    write_shards(tmp_path, "val", [np.arange(50)])  # a corpus smaller than one shard: lower --shard_size, not download
-    with pytest.raises(UserError, match=r"holds a val shard and no train shard: its corpus was smaller than one "
-                                        r"--shard_size .* with a smaller --shard_size, about a tenth"):
+    write_shards(tmp_path, "val", [np.arange(50)])  # a corpus smaller than one shard: a smaller --shard_size
+    with pytest.raises(UserError, match=r"holds a val shard and no train shard: its corpus was smaller than "
+                                        r"one --shard_size .* with a smaller --shard_size, about a tenth"):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
     np.save(tmp_path / "x_train_000000.npy", np.arange(100, dtype=np.int32))
-    with pytest.raises(UserError, match=r"x_train_000000\.npy: expected a 1-D uint16 array of token ids, got int32"):
+    with pytest.raises(UserError, match=r"x_train_000000\.npy: expected a 1-D uint16 array of token ids, "
+                                        r"got int32"):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
     np.save(tmp_path / "x_train_000000.npy", np.arange(100, dtype=np.uint16))
-    write_shards(tmp_path, "train", [np.arange(16)], prefix="y")  # sorts after x_: the short one (a remainder)
+    write_shards(tmp_path, "train", [np.arange(16)], prefix="y")  # after x_: the short one (a remainder)
     assert DataLoaderLite(B, T, 0, 2, "train", str(tmp_path)).steps_per_epoch == 6  # a step: 16 + 1 tokens
-    with pytest.raises(UserError, match=r"no train shard in .* holds one step of total_batch_size \+ 1 = 257 tokens "
-                                        r"\(the longest, .*x_train_000000\.npy: 100 tokens\): lower total_batch_size"):
+    with pytest.raises(UserError, match=r"no train shard in .* holds one step of total_batch_size \+ 1 = 257 "
+                                        r"tokens \(the longest, .*x_train_000000\.npy: 100 tokens\): lower "
+                                        r"total_batch_size"):
         DataLoaderLite(B, T, 0, 2, "train", str(tmp_path), accum_steps=16)
     (tmp_path / "z_train_000000.npy").write_bytes(b"not numpy")
     with pytest.raises(UserError, match=r"z_train_000000\.npy: not a readable \.npy array"):
@@ -94,14 +97,14 @@ def test_shards_shorter_than_a_step_are_passed_over(tmp_path, shuffle, capsys):
     same order. Brute force: no step reads a short shard's tokens (ids 2000 and up here)."""
     from gptkit.tokenizer import EOT
     rng = np.random.default_rng(0)
-    doc = lambda n, low: np.concatenate(([EOT], rng.integers(low, low + 1000, n - 1)))  # one document of n tokens
-    write_shards(tmp_path, "train", [np.concatenate([doc(8, 0) for _ in range(9)]), doc(10, 2000),
-                                     np.concatenate([doc(8, 0) for _ in range(7)]), doc(12, 2000),
-                                     np.concatenate([doc(8, 0) for _ in range(11)])])  # 72, 10, 56, 12, 88 tokens
+    doc = lambda n, low: np.concatenate(([EOT], rng.integers(low, low + 1000, n - 1)))  # n tokens
+    docs = lambda k: np.concatenate([doc(8, 0) for _ in range(k)])  # k documents of 8 tokens
+    # shards of 72, 10, 56, 12 and 88 tokens
+    write_shards(tmp_path, "train", [docs(9), doc(10, 2000), docs(7), doc(12, 2000), docs(11)])
     loader = DataLoaderLite(B, T, 0, 2, "train", str(tmp_path), shuffle=shuffle)  # steps of 16 tokens
     assert capsys.readouterr().out.count("fewer than one step of 17: passed over") == 2
     per_epoch = loader.steps_per_epoch
-    assert per_epoch == 71 // 16 + 55 // 16 + 87 // 16  # the short ones hold none (each shard begins a document)
+    assert per_epoch == 71 // 16 + 55 // 16 + 87 // 16  # the short ones hold none (each begins a document)
     begins, shards_read = [], set()
     for step in range(3 * per_epoch):  # three epochs, each in an order of its own when shuffled
         begins.append(loader.epoch_begins())
@@ -111,7 +114,7 @@ def test_shards_shorter_than_a_step_are_passed_over(tmp_path, shuffle, capsys):
     assert shards_read == {0, 2, 4} and [i for i, b in enumerate(begins) if b] == [per_epoch, 2 * per_epoch]
     for _ in range(per_epoch + 2):  # into epoch 3
         loader.next_batch()
-    grown = DataLoaderLite(B, T, 0, 2, "train", str(tmp_path), accum_steps=2, shuffle=shuffle)  # 32-token steps
+    grown = DataLoaderLite(B, T, 0, 2, "train", str(tmp_path), accum_steps=2, shuffle=shuffle)  # 32 a step
     grown.load_state(loader.state(), "model_00042.pt")
     assert (grown.epoch, list(grown.order)) == (loader.epoch, list(loader.order))  # the same draw over all 5
 
@@ -119,7 +122,8 @@ def test_shards_shorter_than_a_step_are_passed_over(tmp_path, shuffle, capsys):
 def test_unfinished_fineweb_output_is_refused(tmp_path):
     make_shards(tmp_path, [100, 100])
     (tmp_path / "fineweb_manifest.json").write_text('{"args": {}, "shards": [], "complete": false}')
-    with pytest.raises(UserError, match=r"is unfinished: fineweb.py was interrupted or failed there; run the same"):
+    with pytest.raises(UserError, match=r"is unfinished: fineweb.py was interrupted or failed there; run the "
+                                        r"same"):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
     (tmp_path / "fineweb_manifest.json").write_text('{"args": {}, "shards": [], "complete": true}')
     DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
@@ -143,14 +147,16 @@ def test_loader_state_resumes_any_world_size(tmp_path):
         for loader in two:
             loader.next_batch()
         one.next_batch(), one.next_batch()
-    assert two[0].state() == two[1].state() == one.state() == {"epoch": 0, "shard": 1, "pos": 16, "shuffle": False,
-                                                               "seed": 1337, "file": "edufineweb_train_000001.npy"}
+    state = {"epoch": 0, "shard": 1, "pos": 16, "shuffle": False, "seed": 1337,
+             "file": "edufineweb_train_000001.npy"}
+    assert two[0].state() == two[1].state() == one.state() == state
     resumed = DataLoaderLite(B, T, 0, 1, "train", str(tmp_path), accum_steps=2)
     resumed.load_state(two[0].state(), "model_00006.pt")
     for _ in range(2 * 9):  # and around the wrap
         assert all(torch.equal(a, b) for a, b in zip(resumed.next_batch(), one.next_batch()))
-    with pytest.raises(UserError, match=r"model_00006.pt was reading train shard 'other_train_000001.npy' \(number 1\), "
-                                        r"but that shard of data_root is 'edufineweb_train_000001.npy'"):
+    with pytest.raises(UserError, match=r"model_00006.pt was reading train shard 'other_train_000001.npy' "
+                                        r"\(number 1\), but that shard of data_root is "
+                                        r"'edufineweb_train_000001.npy'"):
         resumed.load_state({"shard": 1, "pos": 16, "file": "other_train_000001.npy"}, "model_00006.pt")
 
 
@@ -162,8 +168,8 @@ def test_token_ids_beyond_the_vocab_are_an_error(tmp_path):
     write_shards(tmp_path, "train", [ok, bad])
     write_shards(tmp_path, "val", [bad])
     loader = DataLoaderLite(B, T, 0, 1, "train", str(tmp_path), vocab_size=512)  # shard 0 is fine
-    with pytest.raises(UserError, match=r"edufineweb_train_000001.npy: token id 512 \(at token 123\) is not below "
-                                        r"the model's vocab_size=512"):
+    with pytest.raises(UserError, match=r"edufineweb_train_000001.npy: token id 512 \(at token 123\) is not "
+                                        r"below the model's vocab_size=512"):
         for _ in range(200 // (B * T)):  # on into shard 1
             loader.next_batch()
     DataLoaderLite(B, T, 0, 1, "train", str(tmp_path), vocab_size=513)  # a larger vocab takes it
@@ -177,8 +183,9 @@ def test_trainer_reports_an_id_beyond_the_vocab(tmp_path):
     from conftest import TINY, run_script
     write_shards(tmp_path / "data", "val", [np.arange(300) % 500])
     write_shards(tmp_path / "data", "train", [np.full(300, 600)])
-    r = run_script([*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=32", f"--data_root={tmp_path / 'data'}",
-                    f"--log_dir={tmp_path / 'log'}", "--val_tokens=256"], timeout=120)
+    r = run_script([*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=32",
+                    f"--data_root={tmp_path / 'data'}", f"--log_dir={tmp_path / 'log'}", "--val_tokens=256"],
+                   timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert f"error: {tmp_path / 'data' / 'edufineweb_train_000000.npy'}: token id 600 (at token 0) is not below the " \
-           f"model's vocab_size=512" in r.stderr
+    shard = tmp_path / 'data' / 'edufineweb_train_000000.npy'
+    assert f"error: {shard}: token id 600 (at token 0) is not below the model's vocab_size=512" in r.stderr

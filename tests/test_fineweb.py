@@ -16,7 +16,8 @@ import forked
 from conftest import ROOT, one_thread
 from train_gpt2 import DataLoaderLite
 
-WORDS = "the a model token shard Python ünïcödé 数据 emoji🙂 code def class return 42 3.14 \n\n".split(" ")
+WORDS = ("the a model token shard Python ünïcödé 数据 emoji🙂 code def class return "
+         "42 3.14 \n\n").split(" ")
 
 
 def make_docs(n, seed=0, max_words=400):
@@ -63,7 +64,8 @@ def test_local_parquet_and_jsonl_shards(tmp_path, enc, num_proc):
     write_jsonl(src / "b.jsonl", docs[25:59])
     (src / "sub" / "c.txt").write_text(docs[59], encoding="utf-8")
     out = tmp_path / "out"
-    fineweb.main(["--dataset", str(src), "--out_dir", str(out), "--shard_size", "1000", f"--num_proc={num_proc}"])
+    fineweb.main(["--dataset", str(src), "--out_dir", str(out), "--shard_size", "1000",
+                  f"--num_proc={num_proc}"])
     want = expected_files(docs, 1000, enc)
     assert len(want) > 3 and shard_files(out) == want  # names, sizes, split, bytes
     assert len(np.load(out / "local_val_000000.npy")) == 1000 and shards.dataset_of(out) == "local files"
@@ -78,8 +80,8 @@ def test_glob_max_tokens_and_a_document_longer_than_a_shard(tmp_path, enc):
     for i in range(2):
         write_jsonl(tmp_path / f"part{i}.jsonl", docs[5 * i:5 * i + 5], key="content")
     out = tmp_path / "out"
-    fineweb.main(["--dataset", str(tmp_path / "part*.jsonl"), "--text_column", "content", "--out_dir", str(out),
-                  "--shard_size", "300", "--max_tokens", "5000", "--num_proc=1"])
+    fineweb.main(["--dataset", str(tmp_path / "part*.jsonl"), "--text_column", "content",
+                  "--out_dir", str(out), "--shard_size", "300", "--max_tokens", "5000", "--num_proc=1"])
     assert shard_files(out) == expected_files(docs, 300, enc, max_tokens=5000)
 
 
@@ -153,8 +155,8 @@ def test_a_folder_begun_with_older_names_keeps_them(tmp_path, monkeypatch, enc):
         shard["file"] = old
     (tmp_path / "out" / shards.MANIFEST).write_text(json.dumps(manifest))
     fineweb.main(args)
-    assert len(manifest["shards"]) == 3 and shard_files(tmp_path / "out") == expected_files(docs, 700, enc,
-                                                                                           prefix="edufineweb")
+    want = expected_files(docs, 700, enc, prefix="edufineweb")
+    assert len(manifest["shards"]) == 3 and shard_files(tmp_path / "out") == want
 
 
 def test_kill_9_then_rerun_is_byte_identical(tmp_path):
@@ -165,11 +167,13 @@ def test_kill_9_then_rerun_is_byte_identical(tmp_path):
             f.write(json.dumps({"text": " ".join(map(str, rng.integers(0, 10 ** 6, 1500)))}) + "\n")
     cmd = [sys.executable, "fineweb.py", "--dataset", str(tmp_path / "big.jsonl"), "--shard_size", "100000",
            "--num_proc=1"]
-    ref = forked.run(cmd + ["--out_dir", str(tmp_path / "ref")], cwd=ROOT, capture_output=True, text=True, env=one_thread())
+    ref = forked.run(cmd + ["--out_dir", str(tmp_path / "ref")], cwd=ROOT, capture_output=True, text=True,
+                     env=one_thread())
     assert ref.returncode == 0, ref.stderr
     n_shards = len(shard_files(tmp_path / "ref"))
     out = tmp_path / "out"
-    proc = forked.Popen(cmd + ["--out_dir", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=one_thread())
+    proc = forked.Popen(cmd + ["--out_dir", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, env=one_thread())
     manifest = out / fineweb.MANIFEST
     deadline = time.time() + 60
     while time.time() < deadline:  # kill once two shards are recorded
@@ -183,7 +187,8 @@ def test_kill_9_then_rerun_is_byte_identical(tmp_path):
     proc.wait()
     state = json.loads(manifest.read_text())
     assert not state["complete"] and len(state["shards"]) < n_shards  # it really was cut short
-    again = forked.run(cmd + ["--out_dir", str(out)], cwd=ROOT, capture_output=True, text=True, env=one_thread())
+    again = forked.run(cmd + ["--out_dir", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       env=one_thread())
     assert again.returncode == 0, again.stderr
     assert "resuming: reused" in again.stdout
     assert shard_files(out) == shard_files(tmp_path / "ref")
@@ -205,10 +210,13 @@ def test_error_paths(tmp_path, capsys):
     assert msg == f"error: {tmp_path / 'empty.jsonl'}: no documents"
     write_jsonl(tmp_path / "k.jsonl", ["x"], key="body")
     msg = run_error(["--dataset", str(tmp_path / "k.jsonl"), "--out_dir", str(out)], capsys)
-    assert msg == f"error: {tmp_path / 'k.jsonl'}:1: no key 'text'; keys: id, body (choose one with --text_column)"
+    assert msg == f"error: {tmp_path / 'k.jsonl'}:1: no key 'text'; keys: id, body (choose one with " \
+                  "--text_column)"
     write_parquet(tmp_path / "p.parquet", ["x"])
-    msg = run_error(["--dataset", str(tmp_path / "p.parquet"), "--text_column", "body", "--out_dir", str(out)], capsys)
-    assert msg == f"error: {tmp_path / 'p.parquet'}: no column 'body'; columns: id, text (choose one with --text_column)"
+    msg = run_error(["--dataset", str(tmp_path / "p.parquet"), "--text_column", "body",
+                     "--out_dir", str(out)], capsys)
+    assert msg == f"error: {tmp_path / 'p.parquet'}: no column 'body'; columns: id, text (choose one with " \
+                  "--text_column)"
     (tmp_path / "bad.txt").write_bytes(b"ok \xff\xfe not utf-8")
     msg = run_error(["--dataset", str(tmp_path / "bad.txt"), "--out_dir", str(out)], capsys)
     assert msg == f"error: {tmp_path / 'bad.txt'}: not valid UTF-8 (byte 3)"
@@ -216,31 +224,37 @@ def test_error_paths(tmp_path, capsys):
     msg = run_error(["--dataset", str(tmp_path / "j.jsonl"), "--out_dir", str(out)], capsys)
     assert msg.startswith(f"error: {tmp_path / 'j.jsonl'}:2: not valid JSON")
     assert not out.exists() or not glob.glob(str(out / "*.npy"))  # the good first document wrote no shard
-    (tmp_path / "j.jsonl").write_text('{"text": "fine"}\n{"text": "mended"}\n')  # fixed: the rerun goes through
+    (tmp_path / "j.jsonl").write_text('{"text": "fine"}\n{"text": "mended"}\n')  # fixed: a rerun goes through
     fineweb.main(["--dataset", str(tmp_path / "j.jsonl"), "--out_dir", str(out), "--num_proc=1"])
-    assert len(np.load(out / "local_val_000000.npy")) == 2 + len(fineweb.tokenize("fine")) + len(fineweb.tokenize("mended")) - 2
+    both = len(fineweb.tokenize("fine")) + len(fineweb.tokenize("mended"))  # each with its <|endoftext|>
+    assert len(np.load(out / "local_val_000000.npy")) == both
     folder = tmp_path / "two_parquets"
     os.makedirs(folder)
     write_parquet(folder / "a.parquet", make_docs(50))
     import pyarrow as pa
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"body": ["x"]}), folder / "b.parquet")
-    msg = run_error(["--dataset", str(folder), "--out_dir", str(tmp_path / "o2"), "--shard_size", "100"], capsys)
-    assert msg == f"error: {folder / 'b.parquet'}: no column 'text'; columns: body (choose one with --text_column)"
+    msg = run_error(["--dataset", str(folder), "--out_dir", str(tmp_path / "o2"), "--shard_size", "100"],
+                    capsys)
+    assert msg == f"error: {folder / 'b.parquet'}: no column 'text'; columns: body (choose one with " \
+                  "--text_column)"
     assert not (tmp_path / "o2").exists()  # checked before the first shard of a.parquet
     (tmp_path / "x.csv").write_text("a,b\n")
     msg = run_error(["--dataset", str(tmp_path / "x.csv"), "--out_dir", str(tmp_path / "o3")], capsys)
     assert "x.csv: unsupported file type" in msg
     msg = run_error(["--dataset", "no_such_folder/", "--out_dir", str(tmp_path / "o3")], capsys)
-    assert msg.startswith("error: --dataset 'no_such_folder/' is no local file, folder or glob, and loading it from the HF hub failed")
+    assert msg.startswith("error: --dataset 'no_such_folder/' is no local file, folder or glob, and loading "
+                          "it from the HF hub failed")
 
 
 def test_refuses_a_folder_of_other_shards(tmp_path, capsys):
     write_jsonl(tmp_path / "d.jsonl", make_docs(20))
     out = tmp_path / "out"
-    fineweb.main(["--dataset", str(tmp_path / "d.jsonl"), "--out_dir", str(out), "--shard_size", "500", "--num_proc=1"])
+    fineweb.main(["--dataset", str(tmp_path / "d.jsonl"), "--out_dir", str(out), "--shard_size", "500",
+                  "--num_proc=1"])
     before = shard_files(out)
-    msg = run_error(["--dataset", str(tmp_path / "d.jsonl"), "--out_dir", str(out), "--shard_size", "600"], capsys)
+    msg = run_error(["--dataset", str(tmp_path / "d.jsonl"), "--out_dir", str(out), "--shard_size", "600"],
+                    capsys)
     assert f"error: {out} holds shards made with other arguments (shard_size: 500 there, 600 now)" in msg
     assert "delete the folder or choose another --out_dir" in msg
     assert shard_files(out) == before
@@ -265,13 +279,15 @@ def test_hf_dataset_path(tmp_path, monkeypatch, enc):
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     fineweb.main(["--out_dir", str(tmp_path / "a"), "--shard_size", "800", "--num_proc=1", "--streaming"])
     assert asked == [("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)]
-    assert shard_files(tmp_path / "a") == expected_files(docs, 800, enc, prefix="edufineweb")  # build-nanogpt's names
-    assert shards.dataset_of(tmp_path / "a") == "HuggingFaceFW/fineweb-edu sample-10BT"  # what run.json records
-    fineweb.main(["--dataset", "HuggingFaceFW/fineweb", "--out_dir", str(tmp_path / "f"), "--shard_size", "800",
-                  "--num_proc=1", "--streaming"])  # another dataset: names of its own
+    # build-nanogpt's names; the dataset as run.json records it
+    assert shard_files(tmp_path / "a") == expected_files(docs, 800, enc, prefix="edufineweb")
+    assert shards.dataset_of(tmp_path / "a") == "HuggingFaceFW/fineweb-edu sample-10BT"
+    fineweb.main(["--dataset", "HuggingFaceFW/fineweb", "--out_dir", str(tmp_path / "f"),  # names of its own
+                  "--shard_size", "800", "--num_proc=1", "--streaming"])
     assert shard_files(tmp_path / "f") == expected_files(docs, 800, enc, prefix="fineweb")
     # not streaming, interrupted after 3 shards, resumed through Dataset.skip
-    interrupted(monkeypatch, ["--out_dir", str(tmp_path / "c"), "--shard_size", "800", "--num_proc=1"], 8)  # 4th shard
+    interrupted(monkeypatch, ["--out_dir", str(tmp_path / "c"), "--shard_size", "800", "--num_proc=1"],
+                8)  # at the 4th shard
     fineweb.main(["--out_dir", str(tmp_path / "c"), "--shard_size", "800", "--num_proc=1"])
     assert shard_files(tmp_path / "c") == expected_files(docs, 800, enc, prefix="edufineweb")
     with pytest.raises(SystemExit, match="HuggingFaceFW/fineweb-edu: no column 'body'; columns: text, id"):
@@ -313,10 +329,10 @@ def test_works_with_spawn(tmp_path, enc):
     code = ("import multiprocessing as mp, fineweb\n"
             "if __name__ == '__main__':\n"
             "    mp.set_start_method('spawn')\n"
-            f"    fineweb.main(['--dataset', {str(tmp_path / 'd.jsonl')!r}, '--out_dir', {str(tmp_path / 'out')!r},"
-            " '--shard_size', '900', '--num_proc', '2'])\n")
+            f"    fineweb.main(['--dataset', {str(tmp_path / 'd.jsonl')!r},"
+            f" '--out_dir', {str(tmp_path / 'out')!r}, '--shard_size', '900', '--num_proc', '2'])\n")
     (tmp_path / "spawn_main.py").write_text(code)
-    r = subprocess.run([sys.executable, str(tmp_path / "spawn_main.py")], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
+    r = subprocess.run([sys.executable, str(tmp_path / "spawn_main.py")], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
     assert shard_files(tmp_path / "out") == expected_files(docs, 900, enc)

@@ -1,5 +1,7 @@
 """tests/forked.py, which starts most of the suite's commands, against subprocess: the same
 output, exit code and errors for the same command."""
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +20,10 @@ CASES = {
     "Ctrl-C": ["-c", "raise KeyboardInterrupt"],
     "the trainer's bad key": ["train_gpt2.py", "--n_layr=2"],
     "the trainer's bad device": ["train_gpt2.py", "--device=tpu"],
+    "torchrun without a script": ["-m", "torch.distributed.run"],
+    "an error in a thread": ["-c", "import threading\ndef f(): raise ValueError('boom')\n"
+                                   "t = threading.Thread(target=f, name='worker')\n"
+                                   "t.start(); t.join(); print('after')"],
 }
 
 
@@ -48,12 +54,62 @@ def test_what_a_fork_cannot_have_runs_as_a_subprocess(tmp_path):
     assert not forked.forkable(cmd, dict(env=dict(one_thread(), OMP_NUM_THREADS="2")))
     assert not forked.forkable(cmd, dict(env=dict(one_thread(), TORCH_LOGS="recompiles")))
     assert not forked.forkable(cmd, dict(env=one_thread(), preexec_fn=print))
-    assert forked.forkable([sys.executable, "-m", "torch.distributed.run"], dict(env=dict(one_thread(), TORCH_LOGS="+dynamo")))
-    r = forked.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
-                   text=True, env=dict(one_thread(), OMP_NUM_THREADS="2"))
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    assert forked.forkable(torchrun, dict(env=dict(one_thread(), TORCH_LOGS="+dynamo")))
+    threads = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
+    r = forked.run(threads, capture_output=True, text=True, env=dict(one_thread(), OMP_NUM_THREADS="2"))
     assert r.stdout == "2\n"
 
 
-def test_a_timeout_kills_the_fork():
+# How a command ends, and so its exit code: sys.exit(n), the low byte of n as a C long (255: too big
+# for one); sys.exit of anything else, 1 after printing it; a signal, -signum. sys.exit(-9) once made
+# the fork's child skip os._exit and run on as a second copy of the test process.
+ENDINGS = {f"sys.exit({n})": f"import sys; sys.exit({n})"
+           for n in ["0", "3", "255", "256", "-1", "-2", "-9", "2 ** 40 + 3", "2 ** 64", "True", "None",
+                     "'a message'", "3.5"]}
+ENDINGS.update({
+    "SIGTERM": "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+    "SIGKILL": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+    "Ctrl-C, SIGINT blocked": "import signal; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\n"
+                              "raise KeyboardInterrupt",  # python's 130: it cannot die of the signal
+    "stdout closed": "import sys; print('lost'); sys.stdout.close()",
+    "stdout's flush fails": "import sys\nclass Full:\n    def write(self, s): return len(s)\n"
+                            "    def flush(self): raise OSError(28, 'No space left on device')\n"
+                            "sys.stdout = Full()\nprint('lost')",  # python's 120
+})
+
+
+@pytest.mark.parametrize("code", ENDINGS.values(), ids=ENDINGS.keys())
+def test_a_fork_ends_with_the_exit_code_python_gives(code):
+    """The exit code, stdout and stderr of python itself, and never a second test process."""
+    cmd, me = [sys.executable, "-c", code], os.getpid()
+    try:
+        got = forked.run(cmd, capture_output=True, text=True, env=one_thread())
+    finally:
+        if os.getpid() != me:  # the child escaped os._exit: it ends here, with a code no case expects
+            os._exit(99)
+    want = subprocess.run(cmd, capture_output=True, text=True, env=one_thread())
+    address = re.compile(r" at 0x[0-9a-f]+>")  # an object's, in a report: one process's own
+    assert (got.returncode, got.stdout, address.sub(">", got.stderr)) == \
+        (want.returncode, want.stdout, address.sub(">", want.stderr))
+
+
+@pytest.mark.parametrize("threads", ["1", "2"], ids=["forked", "subprocess"])
+def test_a_timeout_kills_the_whole_job(tmp_path, threads):
+    """The command starts 2 processes in sessions of their own, as torchrun starts its workers: a
+    timeout kills them too, not the command alone (torchrun's workers ran on, one holding run.lock),
+    forked or not."""
+    code = ("import subprocess, sys, time\n"
+            "sleep = [sys.executable, '-c', 'import time; time.sleep(600)']\n"
+            "pids = [subprocess.Popen(sleep, start_new_session=True).pid for _ in range(2)]\n"
+            "open(sys.argv[1], 'w').write(' '.join(map(str, pids)))\n"
+            "time.sleep(600)")
+    env = dict(one_thread(), OMP_NUM_THREADS=threads)  # 2 threads: not forkable
     with pytest.raises(subprocess.TimeoutExpired):
-        forked.run([sys.executable, "-c", "import time; time.sleep(60)"], env=one_thread(), timeout=0.5)
+        forked.run([sys.executable, "-c", code, str(tmp_path / "pids")], env=env, timeout=2)
+    pids = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
+    states = [forked.state(pid) for pid in pids]
+    for pid in pids:  # left running, they would outlive the test
+        if forked.state(pid) not in (None, "Z"):
+            os.kill(pid, signal.SIGKILL)
+    assert len(pids) == 2 and set(states) <= {None, "Z"}, states  # gone, or a zombie: its files closed

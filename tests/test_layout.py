@@ -1,6 +1,7 @@
-"""The layout's promises, checked on the code as text (issue 19): functions take few arguments;
-the pieces of train_gpt2.py that other files import read none of its constants; collectives live
-in gptkit/parallel.py (and the trainer's own, in the open); one user-error class; GPT-2's vocabulary
+"""The layout's promises, checked on the code as text (issues 19 and 35): the root holds what a
+user runs (and the model), gptkit/ the machinery it imports; functions take few arguments; the
+pieces of train_gpt2.py that other files import read none of its constants; collectives live in
+gptkit/parallel.py (and the trainer's own, in the open); one user-error class; GPT-2's vocabulary
 size written once."""
 import ast
 import glob
@@ -10,12 +11,48 @@ import re
 import train_gpt2
 from conftest import ROOT
 
-PROJECT = sorted(glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "gptkit", "*.py")))  # tests aside
+SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "*.py")))  # what a user runs, and model.py
+PACKAGE = sorted(glob.glob(os.path.join(ROOT, "gptkit", "*.py")))
+PROJECT = SCRIPTS + PACKAGE  # tests aside
 IMPORTED = ("setup_device", "DataLoaderLite", "evaluate", "train_step")  # by bench, gpu_check, tests
 
 
+def name(path):
+    """path as the project names it: train_gpt2.py, gptkit/parallel.py."""
+    return os.path.relpath(path, ROOT)
+
+
+def tree(path):
+    with open(path) as f:
+        return ast.parse(f.read())
+
+
 def functions(path):
-    return [n for n in ast.walk(ast.parse(open(path).read())) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [n for n in ast.walk(tree(path)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def runs_as_a_script(path):
+    """Whether path has its `if __name__ == '__main__':`."""
+    tests = [ast.unparse(n.test) for n in tree(path).body if isinstance(n, ast.If)]
+    return "__name__ == '__main__'" in tests
+
+
+def imported(path):
+    """The modules path imports, by their first name: torch, gptkit, model, ..."""
+    for n in ast.walk(tree(path)):
+        if isinstance(n, ast.Import):
+            yield from (a.name.split(".")[0] for a in n.names)
+        elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+            yield n.module.split(".")[0]
+
+
+def test_the_root_holds_what_a_user_runs_and_gptkit_what_it_imports():
+    """Every script at the root runs as `python script.py` (model.py aside: the model, as in
+    nanoGPT), no module of gptkit/ does, and gptkit/ imports no script but model.py."""
+    assert {name(p) for p in PROJECT if runs_as_a_script(p)} == {name(p) for p in SCRIPTS} - {"model.py"}
+    scripts = {os.path.basename(p)[:-len(".py")] for p in SCRIPTS} - {"model"}
+    found = [f"{name(p)} imports {m}" for p in PACKAGE for m in imported(p) if m in scripts]
+    assert not found, found
 
 
 def test_no_function_needs_more_than_six_arguments():
@@ -27,35 +64,38 @@ def test_no_function_needs_more_than_six_arguments():
             required = len(args) - skip - len(f.args.defaults) + sum(d is None for d in f.args.kw_defaults)
             total = len(args) - skip + len(f.args.kwonlyargs)
             if required > 6 or total > 10:
-                crowded.append(f"{os.path.basename(path)}:{f.lineno} {f.name} ({required} required, {total} in all)")
+                crowded.append(f"{name(path)}:{f.lineno} {f.name} ({required} required, {total} in all)")
     assert not crowded, crowded
 
 
 def test_what_other_files_import_from_the_trainer_reads_no_constant():
-    tree = ast.parse(open(os.path.join(ROOT, "train_gpt2.py")).read())
-    top = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    top = {n.name: n for n in tree(os.path.join(ROOT, "train_gpt2.py")).body
+           if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    constants = set(train_gpt2.DEFAULTS) | {"rank", "world", "config"}
     readers = {}
-    for name in IMPORTED:
-        params = {a.arg for f in ast.walk(top[name]) if isinstance(f, (ast.FunctionDef, ast.Lambda))
+    for piece in IMPORTED:
+        nodes = list(ast.walk(top[piece]))
+        params = {a.arg for f in nodes if isinstance(f, (ast.FunctionDef, ast.Lambda))
                   for a in f.args.args + f.args.kwonlyargs}
-        stored = {n.id for n in ast.walk(top[name]) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-        loaded = {n.id for n in ast.walk(top[name]) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-        read = sorted((loaded - params - stored) & (set(train_gpt2.DEFAULTS) | {"rank", "world", "config"}))
+        names = [n for n in nodes if isinstance(n, ast.Name)]
+        stored = {n.id for n in names if isinstance(n.ctx, ast.Store)}
+        loaded = {n.id for n in names if isinstance(n.ctx, ast.Load)}
+        read = sorted((loaded - params - stored) & constants)
         if read:
-            readers[name] = read
+            readers[piece] = read
     assert not readers, readers
 
 
 def test_collectives_only_in_parallel_and_the_trainer():
-    collective = re.compile(r"\bdist\.(all_reduce|all_gather\w*|broadcast\w*|barrier|reduce_scatter\w*|gather|scatter|"
-                            r"send|recv)\(|\.full_tensor\(")
-    found = [f"{os.path.basename(p)}:{i}" for p in PROJECT if os.path.basename(p) not in ("parallel.py", "train_gpt2.py")
+    names = r"all_reduce|all_gather\w*|broadcast\w*|barrier|reduce_scatter\w*|gather|scatter|send|recv"
+    collective = re.compile(rf"\bdist\.({names})\(|\.full_tensor\(")
+    found = [f"{name(p)}:{i}" for p in PROJECT if name(p) not in ("gptkit/parallel.py", "train_gpt2.py")
              for i, line in enumerate(open(p), 1) if collective.search(line)]
     assert not found, found
 
 
 def test_one_user_error_class_and_one_home_for_the_vocabulary_size():
-    classes = [f"{os.path.basename(p)}:{c.name}" for p in PROJECT for c in ast.walk(ast.parse(open(p).read()))
+    classes = [f"{name(p)}:{c.name}" for p in PROJECT for c in ast.walk(tree(p))
                if isinstance(c, ast.ClassDef) and c.name.endswith("Error")]
-    assert classes == ["common.py:UserError"]
+    assert classes == ["gptkit/common.py:UserError"]
     assert len([p for p in PROJECT if re.search(r"5025[67]", open(p).read())]) <= 2

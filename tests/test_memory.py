@@ -21,7 +21,8 @@ from gptkit.configurator import parse_config
 from model import GPTConfig
 
 SHAPES = [  # (n_layer, n_head, n_embd, vocab_size, T, B, dtype): wide and narrow, deep and shallow
-    (2, 4, 256, 50304, 256, 4, "float32"), (4, 6, 384, 50304, 256, 8, "bfloat16"), (8, 4, 256, 4096, 256, 16, "bfloat16")]
+    (2, 4, 256, 50304, 256, 4, "float32"), (4, 6, 384, 50304, 256, 8, "bfloat16"),
+    (8, 4, 256, 4096, 256, 16, "bfloat16")]
 
 
 def shape(L, H, C, V, T):
@@ -64,7 +65,8 @@ print(json.dumps(status('VmHWM') - base))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's peak RSS reset")
-@pytest.mark.parametrize("L, H, C, V, T, B, dtype", [(*s[:-1], "float32") for s in SHAPES])  # bf16: 100x slower on AVX2
+# float32 only: bf16 is 100x slower on AVX2
+@pytest.mark.parametrize("L, H, C, V, T, B, dtype", [(*s[:-1], "float32") for s in SHAPES])
 def test_a_measured_peak_lies_between_the_count_and_the_estimate(L, H, C, V, T, B, dtype):
     """One training step on the CPU (glibc's defaults, one thread, float32: AVX2-only CPUs emulate
     bf16, 100x slower), measured as the process's peak RSS: at least the state (16 bytes a
@@ -105,13 +107,13 @@ def test_on_the_cpu_auto_keeps_the_demo_preset():
     c = parse_config([os.path.join(ROOT, "config", "demo_cpu.py")], train_gpt2.DEFAULTS)
     assert c["B"] == "auto"
     for world, B in ((1, 16), (2, 8)):
-        chosen, line = memory.micro_batch(dict(c, dtype="float32", compile=False), GPTConfig.from_dict(c), "cpu", world,
-                                          free=8e9)
+        run = dict(c, dtype="float32", compile=False)
+        chosen, line = memory.micro_batch(run, GPTConfig.from_dict(c), "cpu", world, free=8e9)
         assert chosen == B and line.startswith(f"B={B} (auto): "), line
 
 
-COMMON = [*TINY, "--vocab_size=512", "--T=16", "--total_batch_size=128", "--val_tokens=256", "--sample_interval=0",
-          "--keep_checkpoints=0"]
+COMMON = [*TINY, "--vocab_size=512", "--T=16", "--total_batch_size=128", "--val_tokens=256",
+          "--sample_interval=0", "--keep_checkpoints=0"]
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +124,8 @@ def data(tmp_path_factory):
 def free_for(B, world=1, extra=()):
     """Free bytes where the tiny model fits B but not the next B up (on world processes)."""
     c = parse_config([*COMMON, *extra], train_gpt2.DEFAULTS)
-    return int(memory.estimate(GPTConfig.from_dict(c), 16, "float32", "cpu", False, world)(B) / memory.HEADROOM) + 1
+    bytes_at = memory.estimate(GPTConfig.from_dict(c), 16, "float32", "cpu", False, world)
+    return int(bytes_at(B) / memory.HEADROOM) + 1
 
 
 # the trainer with the device's free memory as FREE_<rank> says, and an out-of-memory error (or a
@@ -142,14 +145,15 @@ def counting(*a, **k):
     return step(*a, **k)
 train_gpt2.train_step = counting
 hidden = GPT.hidden_states
-def faulty(self, idx, *a, packed=None, **k):
-    phase = 'train' if torch.is_grad_enabled() else 'hella' if packed is not None else 'val'
+def faulty(self, idx, kv_cache=None, *a, **k):  # HellaSwag's: a prompt's KV cache shared by its endings
+    phase = 'train' if torch.is_grad_enabled() else 'hella' if kv_cache is not None else 'val'
     real = not isinstance(idx, torch._subclasses.fake_tensor.FakeTensor)  # not memory.py's count
-    if real and fault.endswith(phase) and steps[0] >= 4:  # the 4th step (step 3), or the evals after it (step 4)
+    # the 4th step (step 3), or the evals after it (step 4)
+    if real and fault.endswith(phase) and steps[0] >= 4:
         if fault.startswith('crash'):
             os._exit(1)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected)")
-    return hidden(self, idx, *a, packed=packed, **k)
+    return hidden(self, idx, kv_cache, *a, **k)
 GPT.hidden_states = faulty
 train_gpt2.main(sys.argv[1:])
 """
@@ -187,22 +191,27 @@ def test_out_of_memory_is_one_line_and_the_checkpoint_before_it_resumes(data, tm
     for kind in ("oom", "crash") if fault == "train" else ("oom",):
         log_dir = tmp_path / kind
         args = [*COMMON, f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=4", "--eval_interval=2",
-                "--checkpoint_interval=2", f"--hellaswag={fault == 'hella'}", f"--hellaswag_file={hella}", "--B=4", *vocab]
+                "--checkpoint_interval=2", f"--hellaswag={fault == 'hella'}", f"--hellaswag_file={hella}",
+                "--B=4", *vocab]
         env = {"FREE_0": str(free_for(2, extra=vocab)), "FAULT": ("" if kind == "oom" else "crash-") + fault}
         r = launch(FAULTY, tmp_path, args, None, env)
-        assert r.returncode == 1 and newest_checkpoint(log_dir) == "model_00002.pt", r.stdout[-2000:] + r.stderr[-3000:]
+        assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
+        assert newest_checkpoint(log_dir) == "model_00002.pt", r.stdout[-2000:] + r.stderr[-3000:]
         if kind == "oom":
             assert "Traceback" not in r.stderr, r.stderr[-3000:]
-            assert re.fullmatch(rf"error: out of memory in {phase} at B=4 on cpu \(.*\): B=2 fits by the estimate: "
-                                r"run the same command with --B=2 \(the last checkpoint stands\)\n", r.stderr), r.stderr
+            assert re.fullmatch(rf"error: out of memory in {phase} at B=4 on cpu \(.*\): B=2 fits by the "
+                                r"estimate: run the same command with --B=2 \(the last checkpoint stands\)\n",
+                                r.stderr), r.stderr
         r = launch(FAULTY, tmp_path, [*args, "--B=2"], None, {"FREE_0": str(free_for(2, extra=vocab))})
-        assert r.returncode == 0 and "resuming from" in r.stdout and "model_00002.pt" in r.stdout, r.stderr[-3000:]
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "resuming from" in r.stdout and "model_00002.pt" in r.stdout, r.stderr[-3000:]
         runs[kind] = (read_log(log_dir), torch.load(log_dir / "model_00004.pt", weights_only=True)["model"])
     log, model = runs["oom"]
     assert sorted(log["train"]) == [0, 1, 2, 3], log
     if fault == "train":  # the same log and weights as after a crash at the same point
         crash_log, crash_model = runs["crash"]
-        assert log == crash_log and all(torch.equal(model[k], crash_model[k]) for k in model), (log, crash_log)
+        assert log == crash_log
+        assert all(torch.equal(model[k], crash_model[k]) for k in model)
 
 
 def test_bad_B_is_one_line():

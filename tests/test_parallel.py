@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import forked
-from conftest import ROOT, TINY, children, kill_job, one_thread, random_shards, read_log, run_script
+from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
+from forked import children, kill_job
 from test_resume import assert_same
 
 STEPS = 16
@@ -61,7 +62,8 @@ def test_fsdp_matches_ddp(ddp2, fsdp2):
     FSDP holds about half the state per rank at 2 ranks."""
     (ddp_dir, ddp_out), (fsdp_dir, fsdp_out) = ddp2, fsdp2
     a, b = read_log(ddp_dir), read_log(fsdp_dir)
-    assert a.keys() == b.keys() == {"train", "val", "bpb"} and a["train"].keys() == b["train"].keys() == set(range(STEPS))
+    assert a.keys() == b.keys() == {"train", "val", "bpb"}
+    assert a["train"].keys() == b["train"].keys() == set(range(STEPS))
     for kind in a:
         for step in a[kind]:
             assert abs(a[kind][step] - b[kind][step]) <= 1e-5, (kind, step, a[kind][step], b[kind][step])
@@ -109,11 +111,20 @@ def start_nodes(cmd_args, max_restarts=0):
     """Two torchrun agents on this machine (--nnodes=2, one process each), meeting through c10d
     rendezvous on 127.0.0.1, as two nodes would."""
     env = one_thread(PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=test", f"--max-restarts={max_restarts}",
-           "train_gpt2.py", *cmd_args]
-    return [forked.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True) for _ in range(2)]
+    cmd = [*two_nodes(rdzv_id="test"), f"--max-restarts={max_restarts}", "train_gpt2.py", *cmd_args]
+    return [start_node(cmd, ROOT, env) for _ in range(2)]
+
+
+def two_nodes(rdzv_id):
+    """torchrun's command for one of two nodes of one process each, meeting on 127.0.0.1."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--rdzv_id={rdzv_id}"]
+
+
+def start_node(cmd, cwd, env):
+    """One node's torchrun, in the background, in a session of its own (finish waits for it)."""
+    return forked.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        start_new_session=True)
 
 
 def finish(nodes, timeout=240):
@@ -180,7 +191,8 @@ def test_the_tied_weight_is_gathered_and_saved_once(ddp2, fsdp2):
     for log_dir, _ in (ddp2, fsdp2):
         model = ckpt(log_dir)["model"]
         wte, head = model["transformer.wte.weight"], model["lm_head.weight"]
-        assert torch.equal(wte, head) and wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr(), log_dir
+        assert torch.equal(wte, head), log_dir
+        assert wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr(), log_dir
 
 
 def test_the_process_group_waits_collective_timeout_and_rank_0s_work_alone_longer(monkeypatch):
@@ -221,10 +233,11 @@ def test_fsdp_eval_copy_is_gone_during_training(data, tmp_path):
     sharded one) each time."""
     (tmp_path / "probe.py").write_text(PROBE.format(root=ROOT))
     env = one_thread(PYTHONUNBUFFERED="1")
+    run_args = args(data, tmp_path / "log", "--parallel=fsdp", "--max_steps=10", "--eval_interval=4",
+                    "--checkpoint_interval=0")
     r = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(tmp_path / "probe.py"), *args(data, tmp_path / "log", "--parallel=fsdp", "--max_steps=10",
-                                                          "--eval_interval=4", "--checkpoint_interval=0")],
-                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                    str(tmp_path / "probe.py"), *run_args], cwd=ROOT, env=env, capture_output=True, text=True,
+                   timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     counts = re.findall(r"live GPTs: (\d+)", r.stdout)
     assert len(counts) == 2 * 10 and set(counts) == {"1"}, counts
@@ -253,20 +266,19 @@ def test_two_nodes_with_their_own_code_folders_both_download_hellaswag(tmp_path)
     (tmp_path / "site" / "sitecustomize.py").write_text(FAKE_DOWNLOAD)
     env = one_thread(PYTHONUNBUFFERED="1", PYTHONPATH=str(tmp_path / "site"),
                      DOWNLOADS=str(tmp_path / "downloads"), HELLASWAG_SOURCE=str(tmp_path / "source.jsonl"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=hella", "train_gpt2.py", *TINY,
-           f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--B=2", "--T=16", "--total_batch_size=64",
-           "--max_steps=2", "--eval_interval=2", "--val_tokens=256", "--sample_interval=0"]
-    nodes = []
+    cmd = [*two_nodes(rdzv_id="hella"), "train_gpt2.py", *TINY, f"--data_root={data}",
+           f"--log_dir={tmp_path / 'log'}", "--B=2", "--T=16", "--total_batch_size=64", "--max_steps=2",
+           "--eval_interval=2", "--val_tokens=256", "--sample_interval=0"]
+    nodes, not_code = [], shutil.ignore_patterns(".*", "tests", "hellaswag", "docs", "__pycache__", "log*")
     for name in ("node_a", "node_b"):
         code = tmp_path / name
-        shutil.copytree(ROOT, code, ignore=shutil.ignore_patterns(".*", "tests", "hellaswag", "docs", "__pycache__", "log*"))
-        nodes.append(forked.Popen(cmd, cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  start_new_session=True))
+        shutil.copytree(ROOT, code, ignore=not_code)
+        nodes.append(start_node(cmd, code, env))
     out = finish(nodes)
     assert "no HellaSwag eval" not in out, out
     assert sorted(read_log(tmp_path / "log")["hella"]) == [0, 2]
     downloads = (tmp_path / "downloads").read_text().split()
     assert sorted(downloads) == [str(tmp_path / "node_a"), str(tmp_path / "node_b")]
     for name in ("node_a", "node_b"):
-        assert (tmp_path / name / "hellaswag" / "hellaswag_val.jsonl").read_bytes() == (tmp_path / "source.jsonl").read_bytes()
+        downloaded = tmp_path / name / "hellaswag" / "hellaswag_val.jsonl"
+        assert downloaded.read_bytes() == (tmp_path / "source.jsonl").read_bytes()

@@ -14,8 +14,11 @@ from gptkit import hardware
 import model
 import train_gpt2
 import forked
+import test_resume
 from conftest import ROOT, one_thread, read_log, run_script
-from test_resume import INJECT, args, inject_nan, assert_same, data, one, state, wait_for_step  # noqa: F401 (fixtures)
+from test_resume import INJECT, args, inject_nan, assert_same, state, wait_for_step
+
+data, one = test_resume.data, test_resume.one  # its fixtures: pytest finds them among this module's names too
 
 FP16 = ["--dtype=float16"]
 
@@ -35,15 +38,15 @@ def test_cpu_bf16_units_are_detected():
 
 def test_auto_picks_by_hardware(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: False)
-    assert hardware.resolve_dtype("auto", "cpu") == ("float32", "auto: this CPU has no bf16 units; bf16 would be "
-                                                             "emulated, ~100x slower")
+    no_bf16 = "auto: this CPU has no bf16 units; bf16 would be emulated, ~100x slower"
+    assert hardware.resolve_dtype("auto", "cpu") == ("float32", no_bf16)
     monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: True)
     assert hardware.resolve_dtype("auto", "cpu")[0] == "bfloat16"
     assert hardware.resolve_dtype("float16", "cpu") == ("float16", "as configured")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla V100")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (7, 0))
-    assert hardware.resolve_dtype("auto", "cuda:0") == ("float16", "auto: Tesla V100 (compute capability 7.0) has no "
-                                                                "bf16; float16 with loss scaling")
+    v100 = "auto: Tesla V100 (compute capability 7.0) has no bf16; float16 with loss scaling"
+    assert hardware.resolve_dtype("auto", "cuda:0") == ("float16", v100)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
     assert hardware.resolve_dtype("auto", "cuda:0")[0] == "bfloat16"
     assert hardware.resolve_dtype("auto", "mps")[0] == "float32"
@@ -62,7 +65,8 @@ def _agree(rank, store_path, out_path):
 
 def test_every_rank_takes_the_least_capable_choice(tmp_path):
     mp.spawn(_agree, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
-    assert [(tmp_path / f"out.{r}").read_text() for r in (0, 1)] == ["float32 False"] * 2  # compile: CUDA only
+    chosen = [(tmp_path / f"out.{r}").read_text() for r in (0, 1)]
+    assert chosen == ["float32 False"] * 2  # compile: CUDA only
 
 
 def test_trainer_says_what_auto_chose(data, tmp_path):
@@ -118,7 +122,8 @@ def fp16(data, tmp_path_factory):
 
 def test_float16_overflow_is_logged_and_skipped(fp16, data, one):
     log_dir, stdout = fp16
-    assert "step    10 | loss " in stdout and "| float16 overflow: update skipped, loss scale now 32768" in stdout
+    assert "step    10 | loss " in stdout
+    assert "| float16 overflow: update skipped, loss scale now 32768" in stdout
     log = read_log(log_dir)
     assert log["overflow"] == {10: 32768.0} and "skip" not in log  # max_bad_steps=1 did not stop it
     assert sorted(log["train"]) == list(range(120))
@@ -132,7 +137,8 @@ def test_float16_resumes_bit_identically_after_kill9(fp16, data, tmp_path):
     AdamW state and loss scale (32768, restored: a fresh scaler would start at 65536)."""
     ref, _ = fp16
     log_dir = tmp_path / "log"
-    p = forked.Popen([sys.executable, "-c", INJECT.format(bad={10}), *args(data, log_dir, *FP16, "--max_bad_steps=1")],
+    run_args = args(data, log_dir, *FP16, "--max_bad_steps=1")
+    p = forked.Popen([sys.executable, "-c", INJECT.format(bad={10}), *run_args],
                      cwd=ROOT, env=one_thread(PYTHONUNBUFFERED="1"),
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for_step(log_dir, 22, p)
@@ -146,14 +152,19 @@ def test_float16_resumes_bit_identically_after_kill9(fp16, data, tmp_path):
     assert state(log_dir)["scaler"] == state(ref)["scaler"] and state(ref)["scaler"]["scale"] == 32768.0
 
 
+def torchrun(script, run_args):
+    """script (train_gpt2.main, with a fault) run by torchrun with 2 processes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    return forked.run([*cmd, *run_args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                      env=one_thread(PYTHONPATH=ROOT))
+
+
 def test_two_processes_skip_the_same_overflow(fp16, data, tmp_path):
     """torchrun, 2 processes, the same poisoned step: the all-reduced gradients overflow on every
     rank, every rank skips it (no hang, no divergence), and the run matches the 1-process run."""
     script = tmp_path / "inject.py"
     script.write_text(INJECT.format(bad={10}))
-    r = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-                        *args(data, tmp_path / "log", *FP16, "--max_bad_steps=1")], cwd=ROOT, capture_output=True,
-                   text=True, timeout=300, env=one_thread(PYTHONPATH=ROOT))
+    r = torchrun(script, args(data, tmp_path / "log", *FP16, "--max_bad_steps=1"))
     assert r.returncode == 0, r.stderr
     one_log, two_log = read_log(fp16[0]), read_log(tmp_path / "log")
     assert two_log["overflow"] == {10: 32768.0} and "skip" not in two_log
@@ -167,13 +178,16 @@ import os, sys, torch, train_gpt2
 rank, calls, step = int(os.environ['RANK']), [0], train_gpt2.train_step
 def poisoned(state, *a, **k):  # rank 1 only, step 10: NaN in the gradient of the position-0 embedding
     poison = lambda m, i, out: out.register_hook(lambda g: torch.cat((g[:1] * float('nan'), g[1:]))) and None
-    hook = state.raw_model.transformer.wpe.register_forward_hook(poison) if rank == 1 and calls[0] == 10 else None
+    hook = None
+    if rank == 1 and calls[0] == 10:
+        hook = state.raw_model.transformer.wpe.register_forward_hook(poison)
     calls[0] += 1
     try:
         return step(state, *a, **k)
     finally:
         if hook: hook.remove()
-        sys.stdout.write(f"rank {rank} step {calls[0] - 1} scale {state.scaler.get_scale():g}\\n")  # one write: whole lines
+        scale = state.scaler.get_scale()
+        sys.stdout.write(f"rank {rank} step {calls[0] - 1} scale {scale:g}\\n")  # one write: whole lines
 train_gpt2.train_step = poisoned
 train_gpt2.main(sys.argv[1:])
 """
@@ -189,15 +203,17 @@ def test_an_overflow_one_rank_sees_is_skipped_by_all(data, tmp_path):
     script.write_text(ONE_RANK)
     logs = {}
     for parallel in ("ddp", "fsdp"):
-        r = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            str(script), *args(data, tmp_path / parallel, *FP16, "--max_steps=16", f"--parallel={parallel}")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=one_thread(PYTHONPATH=ROOT))
+        run_args = args(data, tmp_path / parallel, *FP16, "--max_steps=16", f"--parallel={parallel}")
+        r = torchrun(script, run_args)
         assert r.returncode == 0, r.stdout + r.stderr
-        # each rank's line is one write, but rank 0's buffered output may be flushed mid-line around it: find, not split
-        scales = {(int(k), int(s)): float(v) for k, s, v in re.findall(r"rank (\d+) step (\d+) scale (\S+)\n", r.stdout)}
+        # each rank's line is one write, but rank 0's buffered output may be flushed mid-line around
+        # it: find, not split
+        found = re.findall(r"rank (\d+) step (\d+) scale (\S+)\n", r.stdout)
+        scales = {(int(k), int(s)): float(v) for k, s, v in found}
         for s in range(16):
-            assert scales[0, s] == scales[1, s] == (65536.0 if s < 10 else 32768.0), (parallel, s, scales[0, s], scales[1, s])
+            want = 65536.0 if s < 10 else 32768.0
+            assert scales[0, s] == scales[1, s] == want, (parallel, s, scales[0, s], scales[1, s])
         logs[parallel] = log = read_log(tmp_path / parallel)
-        assert log["overflow"] == {10: 32768.0} and "skip" not in log and sorted(log["train"]) == list(range(16)), parallel
+        assert log["overflow"] == {10: 32768.0} and "skip" not in log, parallel
+        assert sorted(log["train"]) == list(range(16)), parallel
     assert all(abs(logs["ddp"]["train"][s] - logs["fsdp"]["train"][s]) <= 1e-5 for s in range(16)), logs

