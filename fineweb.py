@@ -91,7 +91,7 @@ def iter_local(files, text_column):
                     if not raw.strip():
                         continue
                     try:
-                        obj = json.loads(raw)  # UTF-8 bytes
+                        obj = json.loads(raw)
                     except ValueError as e:  # not JSON, or not UTF-8
                         raise UserError(f"{path}:{lineno}: not valid JSON ({e})") from None
                     if not isinstance(obj, dict) or text_column not in obj:

@@ -101,7 +101,7 @@ def main():
     first_dt = float(re.search(r"dt (\d+\.\d+)ms", out.stdout).group(1)) / 1000
     steady = rates[len(rates) // 3:]  # the first steps compile
     tok_per_s = statistics.median(steady)
-    _, _, device = train_gpt2.setup_device(c['device'])  # one process: no DDP, and a GPU
+    _, _, device = train_gpt2.setup_device(c['device'])  # this process: no DDP; cpu_reuse_memory is for CPUs
     c = choose_precision(c, device)  # the precision the run used
     c = memory.micro_batch_of(c, device)  # B="auto": the trainer's choice, printed
     print(f"device: {device_name(device)}")

@@ -1,7 +1,7 @@
 """
 HellaSwag: download, render and score, as build-nanogpt does, but batched and distributed.
 
-    python hellaswag.py --model gpt2                 # OpenAI GPT-2 124M (through HF): acc 0.2859 acc_norm 0.2955
+    python hellaswag.py --model gpt2                # OpenAI GPT-2 124M (HF): acc 0.2859 acc_norm 0.2955
     python hellaswag.py --model log/model_19073.pt   # a checkpoint of train_gpt2.py
     python hellaswag.py --model path/to/hf_dir --file hellaswag_val.jsonl --limit 500
 
@@ -50,10 +50,16 @@ def download(split, cache_dir=CACHE_DIR, url=None):
                     bar.update(len(chunk))
             if size is not None and f.tell() != size:
                 raise OSError(f"got {f.tell()} of {size} bytes")
+    made, folder = [], os.path.abspath(cache_dir)  # the folders makedirs makes, deepest first
+    while not os.path.isdir(folder):
+        made, folder = made + [folder], os.path.dirname(folder)
     try:
         os.makedirs(cache_dir, exist_ok=True)
         atomic_write(path, fetch)
     except (OSError, http.client.HTTPException) as e:
+        for folder in made:  # none left behind, empty (rmdir: unless something was written in it)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
         raise UserError(f"could not download {url} ({type(e).__name__}: {e}); put hellaswag_{split}.jsonl "
                         f"in {cache_dir}, or pass its path (--file)") from None
     return path
@@ -75,7 +81,8 @@ def iterate_examples(split="val", file=None, cache_dir=CACHE_DIR):
             if not isinstance(example, dict) or not isinstance(example.get('ctx'), str):
                 raise UserError(f"{path}:{lineno}: expected an object with a string 'ctx'")
             endings = example.get('endings')
-            if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
+            if not (isinstance(endings, list) and len(endings) == 4
+                    and all(isinstance(e, str) for e in endings)):
                 raise UserError(f"{path}:{lineno}: expected 4 string endings, got {endings!r:.100}")
             if example.get('label') not in (0, 1, 2, 3):
                 raise UserError(f"{path}:{lineno}: label must be 0..3, got {example.get('label')!r}")
@@ -110,20 +117,28 @@ def rows_of(rendered, block_size):
             yield tuple(row[cut:start]), row[start:n]
 
 
-def by_length(fed, start, most_tokens):
-    """The keys of fed (per row, the tokens it feeds after a KV cache of start positions) in
-    batches of about one length: sorted by length, a batch padded to its longest adds at most 1/8
-    to its tokens, and holds at most most_tokens, the copies of the cache included."""
-    batch, real = [], 0
-    for r in sorted(fed, key=lambda r: len(fed[r])):
-        n, rows = len(fed[r]), len(batch) + 1
-        if batch and (n * rows > 1.125 * (real + n) or (start + n) * rows > most_tokens):
-            yield batch
-            batch, real = [], 0
-        batch.append(r)
-        real += n
-    if batch:
-        yield batch
+@torch.no_grad()
+def ending_losses(model, rendered, device, dtype="float32", batch_examples=32):
+    """(sum, mean) losses (4 * len(rendered),) of the endings of rendered examples: each ending
+    token's cross-entropy, in float32, after the tokens before it in its row. The 4 rows of an
+    example share its context: it goes through the model once, into a KV cache that the rows then
+    read on from, batch_examples contexts of about one length together (ending_states). The output
+    layer runs only where an ending token is predicted."""
+    rows = list(rows_of(rendered, model.config.block_size))
+    of_context = {}  # a context -> its rows
+    for r, (context, _) in enumerate(rows):
+        of_context.setdefault(context, []).append(r)
+    contexts = sorted(of_context, key=len)
+    sum_loss, count = torch.zeros(len(rows), device=device), torch.zeros(len(rows), device=device)
+    with autocast(device, dtype), cpu.blocks_through_onednn(model):  # CPU, float32: oneDNN's matmul
+        for i in range(0, len(contexts), batch_examples):
+            batch = contexts[i:i + batch_examples]
+            h, scored = ending_states(model, batch, of_context, rows, device, 256 * batch_examples)
+            at, targets, owner = torch.tensor(scored, device=device).view(-1, 3).T
+            losses = token_losses(model, h, at, targets)
+            sum_loss.index_add_(0, owner, losses)
+            count.index_add_(0, owner, torch.ones_like(losses))
+    return sum_loss, sum_loss / count
 
 
 def ending_states(model, batch, of_context, rows, device, most_tokens):
@@ -157,37 +172,28 @@ def ending_states(model, batch, of_context, rows, device, most_tokens):
     return torch.cat(states), scored
 
 
+def by_length(fed, start, most_tokens):
+    """The keys of fed (per row, the tokens it feeds after a KV cache of start positions) in
+    batches of about one length: sorted by length, a batch padded to its longest adds at most 1/8
+    to its tokens, and holds at most most_tokens, the copies of the cache included."""
+    batch, real = [], 0
+    for r in sorted(fed, key=lambda r: len(fed[r])):
+        n, rows = len(fed[r]), len(batch) + 1
+        if batch and (n * rows > 1.125 * (real + n) or (start + n) * rows > most_tokens):
+            yield batch
+            batch, real = [], 0
+        batch.append(r)
+        real += n
+    if batch:
+        yield batch
+
+
 def token_losses(model, h, at, targets):
     """-log p(targets[i]) from the output layer applied to h[at[i]], in float32."""
     if h.is_cpu:  # the CPU's way: the vocabulary in blocks that stay in cache (gptkit/cpu.py)
         return cpu.token_losses(h, model.lm_head.weight, at, targets)
     logits = model.lm_head(h).float()  # (N, vocab)
     return torch.logsumexp(logits, dim=1)[at] - logits[at, targets]
-
-
-@torch.no_grad()
-def ending_losses(model, rendered, device, dtype="float32", batch_examples=32):
-    """(sum, mean) losses (4 * len(rendered),) of the endings of rendered examples: each ending
-    token's cross-entropy, in float32, after the tokens before it in its row. Each distinct context
-    goes through the model once, into a KV cache, with others of its length (batch_examples at a
-    time); its rows go on from that cache (start_pos: the context's length), rows of about one
-    length together. The output layer runs only where an ending token is predicted (for the
-    endings' first tokens once per context)."""
-    rows = list(rows_of(rendered, model.config.block_size))
-    of_context = {}  # a context -> its rows
-    for r, (context, _) in enumerate(rows):
-        of_context.setdefault(context, []).append(r)
-    contexts = sorted(of_context, key=len)  # of about one length together
-    batches = [contexts[i:i + batch_examples] for i in range(0, len(contexts), batch_examples)]
-    sum_loss, count = torch.zeros(len(rows), device=device), torch.zeros(len(rows), device=device)
-    with autocast(device, dtype), cpu.blocks_through_onednn(model):  # CPU, float32: oneDNN's matmul
-        for batch in batches:
-            h, scored = ending_states(model, batch, of_context, rows, device, 256 * batch_examples)
-            at, targets, owner = torch.tensor(scored, device=device).view(-1, 3).T
-            losses = token_losses(model, h, at, targets)
-            sum_loss.index_add_(0, owner, losses)
-            count.index_add_(0, owner, torch.ones_like(losses))
-    return sum_loss, sum_loss / count
 
 
 def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_examples=32):
@@ -208,15 +214,16 @@ def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_ex
 def load_for_training(file, model):
     """For train_gpt2.py's evals: the rendered val examples (file, else the cached or downloaded
     split), or None after one warning when there are none; the same answer on every rank."""
-    from gptkit import parallel  # the trainer's path only: `python hellaswag.py` needs none of DDP's and FSDP's imports
+    from gptkit import parallel  # the trainer's path only: `python hellaswag.py` needs no DDP or FSDP
     examples, why = None, None
     if model.config.vocab_size < N_VOCAB:
         why = f"vocab_size={model.config.vocab_size} is smaller than GPT-2's {N_VOCAB}"
     else:
         path = file or os.path.join(CACHE_DIR, 'hellaswag_val.jsonl')
-        if not file and int(os.environ.get('LOCAL_RANK', 0)) == 0:  # once per node: nodes may not share ./hellaswag/
+        # once per node, as nodes may not share ./hellaswag/; on a shared folder each rename is atomic
+        if not file and int(os.environ.get('LOCAL_RANK', 0)) == 0:
             try:
-                download('val')  # nothing to do once cached; on a shared folder the nodes' renames are each atomic
+                download('val')  # nothing to do once cached
             except UserError as e:
                 why = str(e)
         parallel.wait_for_all()  # each node's download first, however long it takes
@@ -255,16 +262,19 @@ def write_synthetic(path, n, seed=0):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--model', default='gpt2', help="gpt2 (or -medium, -large, -xl), a HF model folder, a .pt checkpoint, "
-                                                   "or a run's log_dir (its newest checkpoint)")
-    p.add_argument('--file', default=None, help="a local HellaSwag jsonl file (default: the split, downloaded once)")
+    p.add_argument('--model', default='gpt2', help="gpt2 (or -medium, -large, -xl), a HF model folder, a .pt "
+                                                   "checkpoint, or a run's log_dir (its newest checkpoint)")
+    p.add_argument('--file', default=None,
+                   help="a local HellaSwag jsonl file (default: the split, downloaded once)")
     p.add_argument('--split', default='val', choices=['train', 'val'])
     p.add_argument('--device', default='auto')
     p.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
     p.add_argument('--limit', type=int, default=0, help="score only the first N examples")
-    p.add_argument('--batch_examples', type=int, default=32, help="examples per forward pass (default: %(default)s)")
+    p.add_argument('--batch_examples', type=int, default=32,
+                   help="examples per batch (default: %(default)s)")
     args = p.parse_args(argv)
-    from gptkit.checkpoint import model_in  # here, not atop: `import hellaswag` stays without gptkit/parallel.py (benchmarks.md)
+    # here, not atop: `import hellaswag` stays without gptkit/parallel.py (docs/benchmarks.md)
+    from gptkit.checkpoint import model_in
     try:
         device = pick_device(args.device)
         examples = list(iterate_examples(args.split, args.file))
@@ -283,7 +293,7 @@ def main(argv=None):
     n = correct = correct_norm = 0
     with tqdm(total=len(rendered), desc="score") as bar:
         for i in range(0, len(rendered), 1024):
-            a, b, c = evaluate(model, rendered[i:i + 1024], device, args.dtype, batch_examples=args.batch_examples)
+            a, b, c = evaluate(model, rendered[i:i + 1024], device, args.dtype, 0, 1, args.batch_examples)
             n, correct, correct_norm = n + a, correct + b, correct_norm + c
             bar.update(a)
     print(f"acc: {correct / n:.4f} acc_norm: {correct_norm / n:.4f}")

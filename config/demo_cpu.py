@@ -15,7 +15,7 @@ max_steps = 120  # 0.5M tokens
 warmup_steps = 20
 max_lr = 1.5e-3  # small models take a larger learning rate
 min_lr = 1.5e-4
-muon_lr = 4.5e-3  # with --optimizer=muon: 3x max_lr, the best of bench.py's sweep (docs/recipes.md)
+muon_lr = 4.5e-3  # with --optimizer=muon: 3x max_lr, the best of the sweep in docs/benchmarks.md
 eval_interval = 40
 val_tokens = 16384
 sample_interval = 60

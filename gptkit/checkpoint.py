@@ -6,31 +6,27 @@ whole story (torchrun restarts included: their store is parallel.restart_store).
 
 A checkpoint, log_dir/model_{step:05d}.pt, is the state after `step` optimizer updates: build-
 nanogpt's model, config, step and val_loss, plus everything needed to continue exactly (RESUME_KEYS):
-the optimizer, the global data position, every RNG state, whether the step's evals are done, the
+the optimizer, the global data position, torch's RNG states, whether the step's evals are done, the
 count of bad steps in a row and a checksum of its tensors. Rank 0 writes it; every rank reads it.
 What it holds travels through the trainer as one bundle, TrainState (`state` here).
 """
 import glob
 import os
 import pickle
-import random
 import re
 import signal
 import socket
 import sys
 import time
-import types
 import warnings
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 
 from gptkit import parallel
 from gptkit.common import UserError, atomic_write
 from model import GPT, GPTConfig
 
-CHECKPOINT_NAME = re.compile(r'model_(\d+)\.pt')
 RESUME_KEYS = ('model', 'optimizer', 'config', 'train_config', 'step', 'evaluated', 'loader', 'rng',
                'bad_steps', 'checksum')
 EXIT_PREEMPTED = 75  # SIGTERM or Ctrl-C: checkpoint written, run the same command again (EX_TEMPFAIL)
@@ -104,7 +100,8 @@ def checksum(obj):
 def list_checkpoints(log_dir):
     """[(step, path)] of the model_NNNNN.pt files in log_dir, newest first."""
     names = os.listdir(log_dir) if os.path.isdir(log_dir) else []
-    found = [(int(m[1]), os.path.join(log_dir, n)) for n in names if (m := CHECKPOINT_NAME.fullmatch(n))]
+    found = [(int(m[1]), os.path.join(log_dir, n)) for n in names
+             if (m := re.fullmatch(r'model_(\d+)\.pt', n))]
     return sorted(found, reverse=True)
 
 
@@ -131,12 +128,7 @@ def read_checkpoint(path):
         while f.read(1 << 24):
             pass
     try:
-        try:
-            ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)  # no pickled code runs
-        except pickle.UnpicklingError as e:  # torch's advice (weights_only=False) is the one not to take
-            why = ' '.join(line for line in str(e).splitlines() if 'GLOBAL' in line or 'Unsupported' in line)
-            raise ValueError(f"it holds pickled objects that a weights-only load refuses "
-                             f"({why or e})") from None
+        ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)  # no pickled code runs
         missing = [k for k in RESUME_KEYS if k not in ckpt]
         if missing:
             raise ValueError(f"no {', '.join(missing)}: not a checkpoint this trainer can resume from")
@@ -157,6 +149,10 @@ def read_checkpoint(path):
                     raise ValueError(f"'optimizer' state of shape {tuple(v.shape)} for a parameter of shape "
                                      f"{tuple(p.shape)}")
         return ckpt
+    except pickle.UnpicklingError as e:  # torch's advice (weights_only=False) is the one not to take
+        why = re.search('.*(GLOBAL|Unsupported).*', str(e))  # the line that names what it would call
+        raise ValueError(f"it holds pickled objects that a weights-only load refuses "
+                         f"({why[0] if why else e})") from None
     except (ValueError, MemoryError):
         raise  # MemoryError: the file may well be fine
     except Exception as e:  # truncated (torch.load: OSError for some cuts), not a zip, wrong keys or shapes
@@ -178,10 +174,9 @@ def pick_checkpoint(log_dir):
         except (OSError, MemoryError) as e:
             raise UserError(f"cannot read {path} ({type(e).__name__}: {e}); that is no proof the checkpoint "
                             f"is bad, so nothing falls back: fix the cause and run again") from None
-        for p in bad:
-            aside = next(f"{p}.bad{i or ''}" for i in range(1000) if not os.path.exists(f"{p}.bad{i or ''}"))
-            os.replace(p, aside)
-            print(f"warning: renamed {p} to {aside}; resuming from the previous checkpoint, {path}")
+        for p in bad:  # replacing an earlier .bad of this step, if any (the same state: resuming is exact)
+            os.replace(p, f"{p}.bad")
+            print(f"warning: renamed {p} to {p}.bad; resuming from the previous checkpoint, {path}")
         return step, path, ckpt
     if bad:
         raise UserError(f"{log_dir!r} holds checkpoints but none can be resumed from (see above): move them "
@@ -220,22 +215,18 @@ def find_checkpoint(log_dir, resume, device):
 
 
 def rng_state(device):
-    """Every random generator's state (the same on every rank: all are seeded and used alike).
-    Nothing in training draws from Python's or numpy's today; they are kept, as the checkpoint
-    format has them and a change that draws from them (a data pipeline, say) then resumes exactly."""
-    name, keys, *rest = np.random.get_state()  # keys: a numpy array, kept as a tensor for weights-only loads
-    state = {'torch': torch.get_rng_state(), 'python': random.getstate(),
-             'numpy': (name, torch.from_numpy(keys.astype(np.int64)), *rest)}
+    """The states of the generators that training draws from, torch's (CPU) and CUDA's on a GPU: the
+    same on every rank, as all are seeded and used alike. Python's and numpy's global ones are not
+    kept: nothing draws from them (the loader has generators of its own, seeded by the epoch), and
+    the bit-identical resume tests would catch a change that did."""
+    state = {'torch': torch.get_rng_state()}
     if torch.device(device).type == 'cuda':
         state['cuda'] = torch.cuda.get_rng_state(device)
     return state
 
 
 def set_rng_state(state, device):
-    torch.set_rng_state(state['torch'])
-    random.setstate(state['python'])
-    name, keys, *rest = state['numpy']
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state['torch'])  # (older checkpoints also hold Python's and numpy's: unused)
     if torch.device(device).type == 'cuda' and 'cuda' in state:
         torch.cuda.set_rng_state(state['cuda'], device)
 
@@ -256,31 +247,12 @@ def checkpoint_state(state, val_loss, config):
             'scaler': state.scaler.state_dict()}
 
 
-def torch_save(obj, f):
-    """torch.save into the open file f. A failed write (no space, a quota) raises its OSError:
-    torch.save itself would only say 'unexpected pos'."""
-    errors = []
-
-    def write(data):
-        try:
-            return f.write(data)
-        except OSError as e:
-            errors.append(e)
-            raise
-    try:
-        torch.save(obj, types.SimpleNamespace(write=write, flush=f.flush))
-    except RuntimeError:
-        if errors:
-            raise errors[0] from None
-        raise
-
-
 def check_replicas(model, step):
     """Under DDP, that every rank's weights are rank 0's, bit for bit, before a checkpoint: DDP sends
     weights only at the start, so replicas stay equal only while every rank computes the same bits
     (not so across GPU models or library versions). One checksum per rank, gathered; a UserError
     names the ranks that differ. Under FSDP the ranks hold different shards: nothing to compare."""
-    if parallel.world_size() == 1 or parallel.is_sharded(model):
+    if parallel.is_sharded(model):
         return
     sums = parallel.gather_objects(sum(tensor_checksum(p) for p in model.parameters()).item())
     differ = [str(r) for r, s in enumerate(sums) if s != sums[0]]
@@ -308,15 +280,16 @@ def save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints):
                 with open(log_file, 'a') as f:
                     os.fsync(f.fileno())
         try:  # temporary file, fsync, rename: a checkpoint is whole or absent
-            atomic_write(path, lambda f: torch_save(ckpt, f))
-        except (OSError, RuntimeError) as e:  # the OS's reason (torch_save), or torch.save's own failure
-            error = (f"could not write the checkpoint {path} ({e}); the earlier checkpoints are untouched: "
-                     f"fix that (free some space, say) and run the same command again to resume")
+            atomic_write(path, lambda f: torch.save(ckpt, f))
+        except (OSError, RuntimeError) as e:
+            # A write that fails (no space, a quota) makes torch.save raise 'unexpected pos', a RuntimeError
+            # whose context is the OSError that says why: that is the line to show.
+            error = (f"could not write the checkpoint {path} ({e.__context__ or e}); the earlier "
+                     f"checkpoints are untouched: fix that (free some space, say) and run the same command "
+                     f"again to resume")
         else:
-            older = [p for s, p in list_checkpoints(log_dir) if s < state.step]
-            if keep_checkpoints > 0:
-                for p in older[keep_checkpoints - 1:]:
-                    os.remove(p)  # only now that a newer one is complete
+            for _, old in list_checkpoints(log_dir)[keep_checkpoints:] if keep_checkpoints > 0 else []:
+                os.remove(old)  # only now that a newer one is complete
     parallel.wait_for_all()  # however long rank 0 took to write: the next collective is bounded again
     if parallel.agree(error is not None):
         raise UserError(error or "rank 0 could not write a checkpoint")
@@ -339,7 +312,7 @@ def resumed_model_config(ckpt, path, config):
                         f"config asks for {', '.join(f'{k}={config[k]}' for k in diff)}: a run resumes only "
                         f"into the same model shape; set them back, or point log_dir elsewhere to start "
                         f"afresh")
-    changed = [f"{k} {old[k]!r} -> {v!r}" for k, v in config.items() if k in old and old[k] != v]
+    changed = [f"{k} {old[k]!r} -> {v!r}" for k, v in config.items() if old.get(k, v) != v]
     if parallel.rank() == 0 and changed:
         print(f"resuming with changed settings: {', '.join(changed)}")
     return GPTConfig.from_dict(have)

@@ -123,7 +123,7 @@ def micro_batch(c, model_config, device, world=1, free=None):
     need, fits = plan['need'], fitting_B()
     mine = fits or 1
     B = agree(mine, "min")  # the rank with the least memory decides
-    more = _next_divisor(B)
+    more = min((b for b in _divisors() if b > B), default=None)
     line = f"B={B} (auto): {need(B) / 1e9:.1f} GB needed of {free / 1e9:.1f} GB free on {device} "
     line += f"({total / 1e9:.1f} GB)"
     if more:
@@ -154,10 +154,6 @@ def fitting_B():
 
 def _divisors():
     return [b for b in range(1, min(MAX_B, plan['share']) + 1) if plan['share'] % b == 0]
-
-
-def _next_divisor(B):
-    return min((b for b in _divisors() if b > B), default=None)
 
 
 def examples_per_batch(B, T):

@@ -165,12 +165,6 @@ def zero_grad(model, optimizer):
     optimizer.zero_grad(set_to_none=not isinstance(model, DDP))
 
 
-def without_ddp(model):
-    """The module inside DDP's wrapper (the compiled one, if compiled): for evals, where ranks run
-    different numbers of batches and no gradient is synchronised."""
-    return model.module if isinstance(model, DDP) else model
-
-
 def shard_fsdp(model):
     """FSDP: shard model in place (before the optimizer is built: it must see the sharded parameters)."""
     from torch.distributed.fsdp import fully_shard
@@ -182,13 +176,9 @@ def shard_fsdp(model):
     return model
 
 
-def unwrapped(model):
-    return getattr(model, '_orig_mod', model)  # under torch.compile's wrapper
-
-
 def is_sharded(model):
     fsdp = sys.modules.get('torch.distributed.fsdp')  # not imported: nothing is sharded
-    return fsdp is not None and isinstance(unwrapped(model), fsdp.FSDPModule)
+    return fsdp is not None and isinstance(getattr(model, '_orig_mod', model), fsdp.FSDPModule)  # compiled
 
 
 def is_dtensor(t):
@@ -206,7 +196,7 @@ def require_backward_grad_sync(model, sync):
     FSDP's reduce-scatter. Off for all micro-steps but the last: the gradients accumulate locally.
     A plain module (one process) has nothing to synchronise."""
     if is_sharded(model):
-        unwrapped(model).set_requires_gradient_sync(sync)
+        getattr(model, '_orig_mod', model).set_requires_gradient_sync(sync)  # inside torch.compile's wrapper
     elif isinstance(model, DDP):
         model.require_backward_grad_sync = sync  # DDP reads it in forward, for the backward that follows
 
@@ -232,8 +222,8 @@ def whole_models(model, raw_model, optimizer, device):
     weights, gathered: 4 bytes per parameter on every rank, for as long as the caller holds it
     (keep it in a function's locals: it goes when the function returns). The gradients are freed
     first to make room (the next step zeroes them anyway)."""
-    if not is_sharded(raw_model):
-        return without_ddp(model), raw_model
+    if not is_sharded(raw_model):  # the evals' ranks run different numbers of batches: no DDP there
+        return (model.module if isinstance(model, DDP) else model), raw_model
     from model import GPT
     optimizer.zero_grad(set_to_none=True)
     with torch.device('meta'):  # no memory, no random init (the run's RNG stream stays as it was)

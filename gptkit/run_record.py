@@ -23,17 +23,15 @@ CODE_DIR = os.path.join(os.path.dirname(__file__), '..')
 
 
 def git_state():
-    """(commit, modified) of the code's checkout; (None, None) outside git."""
-    def git(*args):
-        return subprocess.run(['git', '-C', CODE_DIR, *args], capture_output=True, text=True, timeout=10)
+    """(commit, modified) of the code's checkout; (None, None) outside git. `git describe` with no tag
+    to name is the commit's hash, with '-dirty' after it when a tracked file differs from it."""
     try:
-        head = git('rev-parse', 'HEAD')
-        if head.returncode != 0:
-            return None, None
-        status = git('--no-optional-locks', 'status', '--porcelain', '--untracked-files=no')  # tracked files
-        return head.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
+        r = subprocess.run(['git', '--no-optional-locks', '-C', CODE_DIR, 'describe', '--always', '--dirty',
+                            '--abbrev=40', '--exclude=*'], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):  # no git installed
         return None, None
+    commit, _, dirty = r.stdout.strip().partition('-')
+    return (commit, bool(dirty)) if r.returncode == 0 else (None, None)
 
 
 def device_name(device):
@@ -48,8 +46,7 @@ def device_name(device):
 def write(log_dir, config, start, resumed_from, device):
     """Append this start's entry to log_dir/run.json (rank 0 writes; every rank must call it:
     the hosts and devices are gathered from all)."""
-    ranks = parallel.gather_objects({'host': socket.gethostname(),
-                                     'device': f"{device}: {device_name(device)}"})
+    hosts, devices = zip(*parallel.gather_objects((socket.gethostname(), f"{device}: {device_name(device)}")))
     if parallel.rank() != 0:
         return
     commit, modified = git_state()
@@ -59,22 +56,18 @@ def write(log_dir, config, start, resumed_from, device):
         'git_commit': commit, 'git_modified': modified,
         'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,
         'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if device.startswith('cuda') else None,
-        'world_size': len(ranks), 'hosts': sorted({r['host'] for r in ranks}),
-        'devices': [r['device'] for r in ranks],
-        'wandb_run_id': _wandb_run.id if _wandb_run is not None else None,
+        'world_size': len(devices), 'hosts': sorted(set(hosts)), 'devices': devices,
+        'wandb_run_id': _wandb_run and _wandb_run.id,
         'dataset': dataset_of(config['data_root']), 'config': config,
     }
-    path, entries = os.path.join(log_dir, 'run.json'), []
-    if os.path.isfile(path):
-        try:
-            with open(path) as f:
-                entries = json.load(f)
-        except ValueError:
-            entries = None
-        if not isinstance(entries, list):  # never half-written (atomic), so edited by hand: kept aside
-            os.replace(path, path + '.unreadable')
-            print(f"warning: {path} is not a JSON list; moved to {path}.unreadable, and a new one begun")
-            entries = []
+    path = os.path.join(log_dir, 'run.json')
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+    except FileNotFoundError:  # the first start
+        entries = []
+    except ValueError as e:  # never half-written (atomic): edited by hand
+        raise UserError(f"{path} is not JSON ({e}): fix it, or move it away") from None
     atomic_write(path, lambda f: f.write(json.dumps(entries + [entry], indent=1).encode()))
 
 
@@ -115,4 +108,4 @@ def samples(log_dir, lines):
     if lines:
         print("\n".join(lines))
         with open(os.path.join(log_dir, 'samples.txt'), 'a') as f:
-            f.write("".join(line + "\n" for line in lines))
+            f.write("\n".join(lines) + "\n")

@@ -146,7 +146,7 @@ def test_readme_commands_run_in_order(tmp_path):
     from conftest import random_shards
     commands = readme_commands()
     run_here = [c for c in commands if left_out(c) is None]
-    assert len(commands) - len(run_here) == 13, [c for c in commands if left_out(c)]
+    assert len(commands) - len(run_here) == 15, [c for c in commands if left_out(c)]
     assert run_here == ["python fineweb.py --demo", "python train_gpt2.py config/demo_cpu.py",
                         "torchrun --standalone --nproc_per_node=2 train_gpt2.py config/demo_cpu.py --log_dir=log_demo_ddp",
                         "python plot.py log_demo --out demo.png",

@@ -62,8 +62,10 @@ def test_render_example_as_build_nanogpt(enc):
     ctx = enc.encode("A man sits")
     assert label == 2 and tokens.shape == mask.shape == (4, len(ctx) + len(enc.encode(" on a big chair.")))
     assert tokens[1].tolist() == ctx + enc.encode(" on a big chair.")
-    assert tokens[0].tolist() == ctx + enc.encode(" down.") + [0] * (tokens.size(1) - len(ctx) - len(enc.encode(" down.")))
-    assert mask[0].tolist() == [0] * len(ctx) + [1] * len(enc.encode(" down.")) + [0] * (tokens.size(1) - len(ctx) - 2)
+    down = enc.encode(" down.")
+    pad = tokens.size(1) - len(ctx) - len(down)
+    assert tokens[0].tolist() == ctx + down + [0] * pad
+    assert mask[0].tolist() == [0] * len(ctx) + [1] * len(down) + [0] * pad
 
 
 def test_batched_equals_one_at_a_time_equals_hf(hf_and_ours):
@@ -87,6 +89,29 @@ def test_batched_equals_one_at_a_time_equals_hf(hf_and_ours):
     assert tuple(map(sum, zip(*parts))) == counts[0]
 
 
+def test_shared_contexts_of_any_length(hf_and_ours, enc):
+    """The context cache's corner cases against brute force: two examples with the same context
+    (one cache for both), an empty context (the ending's first token is not scored, as in
+    build-nanogpt), one-token endings (scored from the context's last position alone), endings
+    that share their first words, contexts of very different lengths in one batch, and any
+    batch size."""
+    hf, ours = hf_and_ours
+    assert len(enc.encode(" a")) == 1
+    long_ctx = " ".join(WORDS * 2)
+    examples = [dict(ctx="a man is seen", label=0, endings=["a", "the dog", "the dog is", "they walk"]),
+                dict(ctx="a man is seen", label=1, endings=["smiles", "a", "then a woman", "camera up"]),
+                dict(ctx="", label=2, endings=["a man walks", "the dog holds", "then up", "a ball kitchen"]),
+                dict(ctx=long_ctx, label=3, endings=["a", "to walk the dog", "a ball", "holds a camera up"]),
+                dict(ctx="the woman then", label=0, endings=["walks", "a dog", "smiles", "is seen up"])]
+    rendered = [hellaswag.render_example(e) for e in examples]
+    ref = [brute_force(hf, e) for e in examples]
+    for batch in (1, 2, 16):
+        sums, avgs = hellaswag.ending_losses(ours, rendered, "cpu", batch_examples=batch)
+        for i, (ref_sum, ref_avg) in enumerate(ref):
+            assert torch.allclose(sums[4 * i:4 * i + 4], ref_sum, atol=1e-4), (batch, i)
+            assert torch.allclose(avgs[4 * i:4 * i + 4], ref_avg, atol=1e-5), (batch, i)
+
+
 def test_bf16_forward_float32_loss(hf_and_ours):
     _, ours = hf_and_ours
     rendered = [hellaswag.render_example(e) for e in make_examples(8, seed=1)]
@@ -102,7 +127,9 @@ def test_long_examples_lose_context_from_the_left(hf_and_ours, capsys):
     tokens, mask, label = hellaswag.render_example(e)
     assert tokens.size(1) > 64
     n, _, _ = hellaswag.evaluate(ours, [(tokens, mask, label)], "cpu")
-    assert n == 1 and "1 examples are longer than block_size=64: their contexts lose tokens from the left" in capsys.readouterr().out
+    assert n == 1
+    said = "1 examples are longer than block_size=64: their contexts lose tokens from the left"
+    assert said in capsys.readouterr().out
     s, _ = hellaswag.ending_losses(ours, [(tokens, mask, label)], "cpu")
     keep = [(t[m.nonzero()[-1] + 1 - 64:m.nonzero()[-1] + 1]) for t, m in zip(tokens, mask)]
     with torch.no_grad():  # the same as scoring the last 64 tokens of each row
@@ -115,9 +142,10 @@ def test_long_examples_lose_context_from_the_left(hf_and_ours, capsys):
 
 def test_bad_lines_name_file_and_line(tmp_path):
     good = make_examples(2)
+    three_endings = json.dumps(dict(good[0], endings=["a", "b", "c"]))
     for bad, message in [("not json", r":3: not valid JSON"),
                          (json.dumps(dict(good[0], label=4)), r":3: label must be 0..3, got 4"),
-                         (json.dumps(dict(good[0], endings=["a", "b", "c"])), r":3: expected 4 string endings")]:
+                         (three_endings, r":3: expected 4 string endings")]:
         path = tmp_path / "h.jsonl"
         write_file(path, good)
         with open(path, "a") as f:
@@ -152,7 +180,7 @@ def test_download(tmp_path):
     bad = Server(body, truncate=True)
     with pytest.raises(UserError, match=r"could not download .* put hellaswag_val.jsonl in .*cache"):
         hellaswag.download("val", str(cache), url=bad.url)
-    assert os.listdir(cache) == []  # no half file, under any name
+    assert not cache.exists()  # no half file, and no folder that it made
     good = Server(body)
     path = hellaswag.download("val", str(cache), url=good.url)
     assert open(path, "rb").read() == body
@@ -160,6 +188,19 @@ def test_download(tmp_path):
     assert [e["ind"] for e in hellaswag.iterate_examples("val", cache_dir=str(cache))] == [0, 1, 2, 3, 4]
     with pytest.raises(UserError, match="could not download http://127.0.0.1:9/"):
         hellaswag.download("train", str(cache), url="http://127.0.0.1:9/hellaswag_train.jsonl")
+
+
+def test_a_failed_download_leaves_no_folder_it_made(tmp_path):
+    """Offline, download fails: the cache folder it made, and the parents it made for it, are gone
+    again (no empty hellaswag/ left behind); a folder that was there already stays, empty."""
+    for where in (tmp_path / "new", tmp_path / "new" / "deeper"):
+        with pytest.raises(UserError, match="could not download http://127.0.0.1:9/"):
+            hellaswag.download("val", str(where), url="http://127.0.0.1:9/hellaswag_val.jsonl")
+        assert not (tmp_path / "new").exists()
+    (tmp_path / "there").mkdir()
+    with pytest.raises(UserError, match="could not download"):
+        hellaswag.download("val", str(tmp_path / "there"), url="http://127.0.0.1:9/hellaswag_val.jsonl")
+    assert os.listdir(tmp_path / "there") == []
 
 
 def test_standalone_cli(tmp_path, hf_and_ours):
@@ -174,15 +215,20 @@ def test_standalone_cli(tmp_path, hf_and_ours):
     n, c, cn = hellaswag.evaluate(ours, [hellaswag.render_example(e) for e in examples[:15]], "cpu")
     want = f"acc: {c / n:.4f} acc_norm: {cn / n:.4f}"
     torch.save({"model": ours.state_dict(), "config": ours.config.__dict__}, tmp_path / "model_00001.pt")
-    for model in (tmp_path / "hfdir", tmp_path / "model_00001.pt", tmp_path):  # tmp_path: a log_dir, its newest
-        r = forked.run([sys.executable, "hellaswag.py", "--model", str(model), "--file", str(tmp_path / "h.jsonl"),
-                            "--device", "cpu", "--limit", "15"], cwd=ROOT, capture_output=True, text=True, env=one_thread())
+    def run(*args):
+        return forked.run([sys.executable, "hellaswag.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=one_thread())
+    data = str(tmp_path / "h.jsonl")
+    for model in (tmp_path / "hfdir", tmp_path / "model_00001.pt", tmp_path):  # a log_dir: its newest
+        r = run("--model", str(model), "--file", data, "--device", "cpu", "--limit", "15")
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip().splitlines()[-1] == want
-    assert r.stderr.startswith(f"{tmp_path}: its newest checkpoint, {tmp_path / 'model_00001.pt'}\n"), r.stderr
-    r = forked.run([sys.executable, "hellaswag.py", "--model", str(tmp_path / "hfdir"), "--file",
-                        str(tmp_path / "missing.jsonl")], cwd=ROOT, capture_output=True, text=True, env=one_thread())
-    assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'missing.jsonl'}: no such file (expected HellaSwag jsonl, one example per line)"
+    newest = f"{tmp_path}: its newest checkpoint, {tmp_path / 'model_00001.pt'}\n"
+    assert r.stderr.startswith(newest), r.stderr
+    r = run("--model", str(tmp_path / "hfdir"), "--file", str(tmp_path / "missing.jsonl"))
+    assert r.returncode == 1
+    assert r.stderr.strip() == (f"error: {tmp_path / 'missing.jsonl'}: no such file "
+                                f"(expected HellaSwag jsonl, one example per line)")
 
 
 def test_synthetic_examples_are_what_write_synthetic_writes(tmp_path):
@@ -190,7 +236,8 @@ def test_synthetic_examples_are_what_write_synthetic_writes(tmp_path):
     docs/benchmarks.md's figures were measured on (500 examples, seed 0)."""
     import hashlib
     hellaswag.write_synthetic(tmp_path / "s.jsonl", 7, seed=3)
-    assert list(hellaswag.iterate_examples(file=str(tmp_path / "s.jsonl"))) == hellaswag.synthetic_examples(7, seed=3)
+    written = list(hellaswag.iterate_examples(file=str(tmp_path / "s.jsonl")))
+    assert written == hellaswag.synthetic_examples(7, seed=3)
     assert hellaswag.synthetic_examples(7, seed=4) != hellaswag.synthetic_examples(7, seed=3)
     hellaswag.write_synthetic(tmp_path / "500.jsonl", 500)
     assert hashlib.sha256((tmp_path / "500.jsonl").read_bytes()).hexdigest() == \
@@ -210,22 +257,24 @@ def test_load_for_training_in_one_process(tmp_path, hf_and_ours, capsys):
                                        f"training goes on without it\n")
     small = GPT(GPTConfig(block_size=16, vocab_size=300, n_layer=1, n_head=1, n_embd=8))
     assert hellaswag.load_for_training(str(tmp_path / "h.jsonl"), small) is None
-    assert capsys.readouterr().out == ("warning: no HellaSwag eval: vocab_size=300 is smaller than GPT-2's 50257; "
-                                       "training goes on without it\n")
+    assert capsys.readouterr().out == ("warning: no HellaSwag eval: vocab_size=300 is smaller than GPT-2's "
+                                       "50257; training goes on without it\n")
 
 
 def test_onednn_routing_is_undone_on_the_way_out():
-    """blocks_through_onednn patches the blocks' linear layers for the scoring only: after the
-    block (an error inside included, a nested use too) the model is the model it was."""
+    """gptkit/cpu.py's blocks_through_onednn patches the blocks' linear layers for the scoring
+    only: after the block (an error inside included, a nested use too) the model is the model it
+    was."""
+    from gptkit import cpu
     model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16))
     layers = [m for m in model.transformer.h.modules() if isinstance(m, torch.nn.Linear)]
     xs = [torch.randn(3, layer.in_features) for layer in layers]
     want = [layer(x) for layer, x in zip(layers, xs)]
     with pytest.raises(RuntimeError, match="inside"):
-        with hellaswag.blocks_through_onednn(model):
-            with hellaswag.blocks_through_onednn(model):
+        with cpu.blocks_through_onednn(model):
+            with cpu.blocks_through_onednn(model):
                 pass
-            assert all(("forward" in m.__dict__) == hellaswag.FUSED_LINEAR for m in layers)  # the outer's stays
+            assert all(("forward" in m.__dict__) == cpu.ONEDNN_LINEAR for m in layers)  # the outer's stays
             assert all(torch.allclose(layer(x), w, atol=1e-6) for layer, x, w in zip(layers, xs, want))
             raise RuntimeError("inside")
     assert not any("forward" in m.__dict__ for m in layers)

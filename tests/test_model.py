@@ -78,7 +78,8 @@ def test_from_pretrained_errors(tmp_path):
     with pytest.raises(ValueError, match=r"missing key 'transformer\.h\.2\.ln_1\.weight'"):
         GPT.from_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(dict(config, vocab_size=256)))
-    with pytest.raises(ValueError, match=r"'transformer\.wte\.weight' has shape \(300, 64\), expected \(256, 64\)"):
+    with pytest.raises(ValueError, match=r"'transformer\.wte\.weight' has shape \(300, 64\), "
+                                         r"expected \(256, 64\)"):
         GPT.from_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(dict(config, n_inner=128)))
     with pytest.raises(ValueError, match=r"config n_inner=128, this GPT-2 supports \(None, 256\)"):
@@ -94,7 +95,8 @@ def test_from_pretrained_errors(tmp_path):
         GPT.from_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(config))
     sd = load_file(tmp_path / "model.safetensors")
-    save_file(dict(sd, **{"transformer.h.1.mlp.c_fc.weight": torch.zeros(64, 200)}), tmp_path / "model.safetensors")
+    wrong = {"transformer.h.1.mlp.c_fc.weight": torch.zeros(64, 200)}
+    save_file(dict(sd, **wrong), tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"'transformer\.h\.1\.mlp\.c_fc\.weight' has shape \(200, 64\) "
                                          r"\(transposed from Conv1D\), expected \(256, 64\)"):
         GPT.from_pretrained(str(tmp_path))
@@ -148,7 +150,8 @@ def greedy_by_recompute(model, idx, n):
     return idx
 
 
-@pytest.mark.parametrize("prompt,new_tokens", [(5, 10), (5, 30), (30, 6)])  # past block_size=24: the window slides
+# past block_size=24 the window slides
+@pytest.mark.parametrize("prompt,new_tokens", [(5, 10), (5, 30), (30, 6)])
 def test_kv_cache_generation_equals_recompute(prompt, new_tokens):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=24, vocab_size=97, n_layer=3, n_head=4, n_embd=32)).eval()
@@ -181,12 +184,12 @@ def test_flops_per_token_counts_matmuls():
 
 @pytest.mark.parametrize("dtype,rtol", [("float32", 1e-5), ("bfloat16", 1.6e-2), ("float16", 2e-3)])  # 2 ulps
 def test_linear_cross_entropy_matches_torch(dtype, rtol):
-    """The training loss (output layer + cross-entropy, gradient computed in the forward, in blocks
-    of rows) against F.linear + F.cross_entropy in float32, under each autocast: same loss, same
-    gradients for the hidden states and the (tied) weight."""
+    """The CPU's training loss (gptkit/cpu.py: output layer + cross-entropy, gradient computed in
+    the forward, in blocks of rows) against F.linear + F.cross_entropy in float32, under each
+    autocast: same loss, same gradients for the hidden states and the (tied) weight."""
     import torch.nn.functional as F
+    from gptkit.cpu import LinearCrossEntropy
     from gptkit.hardware import autocast
-    from model import LinearCrossEntropy
     g = torch.Generator().manual_seed(0)
     N, C, V = 100, 64, 50304  # 41 rows per block on CPU: 3 blocks, the last one short
     h, w = torch.randn(N, C, generator=g), torch.randn(V, C, generator=g) * 0.1
@@ -195,7 +198,10 @@ def test_linear_cross_entropy_matches_torch(dtype, rtol):
     for fused in (True, False):
         a, b = h.clone().requires_grad_(), w.clone().requires_grad_()
         with autocast("cpu", dtype):
-            loss = LinearCrossEntropy.apply(a, b, targets) if fused else F.cross_entropy(F.linear(a, b).float(), targets)
+            if fused:
+                loss = LinearCrossEntropy.apply(a, b, targets)
+            else:
+                loss = F.cross_entropy(F.linear(a, b).float(), targets)
         (2.5 * loss).backward()  # a scale, as the 1/grad_accum_steps (and float16's loss scale)
         grads.append((loss, a.grad, b.grad))
     (loss, gh, gw), (ref, rh, rw) = grads
@@ -206,62 +212,43 @@ def test_linear_cross_entropy_matches_torch(dtype, rtol):
         assert y.abs().max().item() > 1e-4  # not trivially small
 
 
-def test_model_training_loss_is_the_plain_loss():
-    """model(x, y) while training (the fused loss, no logits returned) gives the loss and
-    gradients of the plain forward (full logits, F.cross_entropy)."""
-    import torch.nn.functional as F
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=300, n_layer=2, n_head=2, n_embd=32))
-    x, y = torch.randint(0, 300, (2, 3, 16))  # 3 sequences of 16 tokens, and their targets
+def test_training_loss_and_gradients_match_hf(tmp_path):
+    """model(x, y) while training on a CPU (the fused loss of gptkit/cpu.py, no logits returned)
+    against HF transformers' GPT2LMHeadModel with the same weights: the same loss, and the same
+    gradient for every parameter (Conv1D ones transposed). In eval the logits come back, with the
+    same loss."""
+    from model import HF_CONV1D_WEIGHTS
+    hf = make_hf(tmp_path)
+    model = GPT.from_pretrained(str(tmp_path))
+    idx = torch.randint(0, 300, (3, 48), generator=torch.Generator().manual_seed(2))
+    x, y = idx[:, :-1], idx[:, 1:]
     logits, loss = model(x, y)
     assert logits is None
     loss.backward()
-    fused = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    ref = F.cross_entropy(model.lm_head(model.hidden_states(x)).flatten(0, 1), y.flatten())
-    ref.backward()
-    assert abs(loss.item() - ref.item()) < 1e-6
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(fused[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
-    with torch.no_grad():  # eval: the logits come back, and the same loss
-        logits, val = model(x, y)
-    assert logits.shape == (3, 16, 300) and abs(val.item() - ref.item()) < 1e-6
-
-
-def test_packed_tokens_give_the_plain_forwards_states():
-    """Sequences of different lengths packed end to end, each token attending to the tokens before
-    it in its own sequence: the hidden states of the plain forward, sequence by sequence; with keep
-    only those rows."""
-    from model import PackedTokens
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=4, n_embd=32)).eval()
-    seqs = [torch.randint(0, 97, (n,)) for n in (5, 9, 3)]
-    B, T = len(seqs), 9
-    mask = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1, 1)  # (B, 1, T, T): free slots see themselves
-    for b, s in enumerate(seqs):
-        mask[b, 0, :len(s), :len(s)] = torch.ones(len(s), len(s), dtype=torch.bool).tril()
-    idx = torch.cat(seqs)
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])
-    slots = torch.cat([b * T + torch.arange(len(s)) for b, s in enumerate(seqs)])
-    keep = torch.tensor([0, 7, 16])
+    ref = hf(idx, labels=idx)  # HF shifts the labels itself
+    ref.loss.backward()
+    assert abs(loss.item() - ref.loss.item()) < 1e-5
+    hf_grads = dict(hf.named_parameters())
+    for name, p in model.named_parameters():
+        want = hf_grads[name].grad
+        want = want.t() if name.endswith(HF_CONV1D_WEIGHTS) else want
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=name)
     with torch.no_grad():
-        ref = torch.cat([model.hidden_states(s[None])[0] for s in seqs])  # (17, 32)
-        packed = model.hidden_states(idx, packed=PackedTokens(pos, slots, mask))
-        kept = model.hidden_states(idx, packed=PackedTokens(pos, slots, mask, keep=keep))
-    assert packed.shape == ref.shape and (packed - ref).abs().max().item() < 1e-5
-    assert kept.shape == (3, 32) and (kept - ref[keep]).abs().max().item() < 1e-5
+        logits, val = model(x, y)
+    assert logits.shape == (3, 47, 300) and abs(val.item() - ref.loss.item()) < 1e-5
 
 
 def test_the_loss_path_is_chosen_by_the_device(monkeypatch):
-    """Issue 27.4: LinearCrossEntropy (faster on a CPU) trains on the CPU only; on any other device
+    """Issue 27.4: the CPU's fused loss (faster there) trains on the CPU only; on any other device
     (the meta device stands in for CUDA here) the training loss is F.cross_entropy, the code that
     torch.compile fuses, so turning compile off to debug a GPU run changes no loss code. The
-    per-target losses of reduction='none' match F.cross_entropy's, 0 where a target is -1."""
-    import torch.nn.functional as F
-    from model import LinearCrossEntropy
+    per-target losses of reduction='none' are -log softmax at the target, computed here by hand in
+    float64, and 0 where a target is -1."""
+    from gptkit import cpu
     calls = []
-    apply = LinearCrossEntropy.apply
-    monkeypatch.setattr(LinearCrossEntropy, "apply", lambda *a: calls.append(a[0].device.type) or apply(*a))
+    fused = cpu.linear_cross_entropy
+    monkeypatch.setattr(cpu, "linear_cross_entropy", 
+                        lambda h, *a: calls.append(h.device.type) or fused(h, *a))
     torch.manual_seed(0)
     config = GPTConfig(block_size=16, vocab_size=300, n_layer=1, n_head=2, n_embd=32)
     for device in ("cpu", "meta"):
@@ -275,5 +262,29 @@ def test_the_loss_path_is_chosen_by_the_device(monkeypatch):
     y[0, :5] = -1
     with torch.no_grad():
         logits, losses = model(x, y, reduction="none")
-    ref = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none").view(3, 16)
-    assert losses.shape == (3, 16) and torch.equal(losses, ref) and (losses[0, :5] == 0).all() and (losses[0, 5:] > 0).all()
+    z = logits.double()
+    z = z - z.max(-1, keepdim=True).values
+    # -log softmax at the target: log sum exp - the target's logit
+    ref = z.exp().sum(-1).log() - z.gather(-1, y.clamp(min=0)[..., None])[..., 0]
+    ref[y == -1] = 0
+    assert losses.shape == (3, 16) and (losses[0, :5] == 0).all() and (losses[0, 5:] > 0).all()
+    torch.testing.assert_close(losses.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_forward_compiles_to_one_graph(grad):
+    """torch.compile traces GPT.forward (targets given: the trainer's step with grad, its val loss
+    without) into one graph: no graph break, under which the fused CPU loss or anything else would
+    run outside the compiled code; and the compiled loss is the eager F.cross_entropy one."""
+    import torch._dynamo
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=300, n_layer=2, n_head=2, n_embd=32))
+    x, y = torch.randint(0, 300, (2, 3, 16))
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(grad):
+        explained = torch._dynamo.explain(model)(x, y)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        _, loss = torch.compile(model, backend="eager", fullgraph=True)(x, y)  # a break: an error
+        with torch.no_grad():
+            _, ref = model(x, y)  # no grad: the plain F.cross_entropy, not the fused loss
+    assert abs(loss.item() - ref.item()) < 1e-6

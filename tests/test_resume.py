@@ -122,7 +122,7 @@ def test_checkpoint_holds_everything_and_loads_weights_only(one):
         assert set(RESUME_KEYS) <= ckpt.keys() and {"val_loss"} <= ckpt.keys()
         logged = read_log(one)["val"][ckpt["step"]]
         assert ckpt["evaluated"] and ckpt["val_loss"] == pytest.approx(logged, abs=5e-5)
-        assert set(ckpt["rng"]) == {"torch", "python", "numpy"}  # and "cuda" on a GPU
+        assert set(ckpt["rng"]) == {"torch"}  # and "cuda" on a GPU
         assert ckpt["loader"]["file"].startswith("edufineweb_train_") and ckpt["bad_steps"] == 0
         assert len(ckpt["optimizer"]["state"]) == len(ckpt["model"]) - 1  # lm_head is tied to wte
     # the loader position is global: the same after step 20 for 1 and for 2 processes. An epoch is
