@@ -3,7 +3,6 @@ Speed and memory of the training step, the instrument behind every speed claim o
 
     python bench.py [config/NAME.py] [--key=value ...] [--bench_steps=5] [--bench_warmup=2]
     python bench.py --bench_loader_tokens=100000000   # the data loader's memory and time instead
-    python bench.py config/demo_cpu.py --bench_hellaswag=True   # HellaSwag scoring speed instead
     python bench.py --bench_hellaswag_process=True   # hellaswag.py vs build-nanogpt's loop, whole process
     python bench.py --bench_profile=True   # on CUDA: then one step under torch.profiler, by kernel kind
 
@@ -295,42 +294,6 @@ def bench_step(c, argv, device):
               f"peak memory vs baseline: {ours['peak'] / base['peak']:.3f}x")
 
 
-def bench_hellaswag(c, config, device):
-    """Examples/s of hellaswag.evaluate (batched, output layer at ending positions only) against
-    one example per forward with the output layer everywhere (build-nanogpt), same model, the same
-    256 synthetic examples (hellaswag.synthetic_examples: contexts of 6-36 words, endings of 3-20,
-    as the val split's first ones; before 2026-12-01 this bench made its own, of 20-45 and 8-25)."""
-    torch.manual_seed(c['seed'])
-    model = GPT(config).to(device).eval()
-    rendered = [hellaswag.render_example(e) for e in hellaswag.synthetic_examples(256)]
-
-    @torch.no_grad()
-    def one_per_forward():
-        correct = 0
-        for tokens, mask, label in rendered:
-            tokens, mask = tokens.to(device), mask.to(device)
-            with autocast(device, c['dtype']):
-                logits, _ = model(tokens)
-            losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(),
-                                     reduction='none').view(4, -1) * mask[:, 1:]
-            correct += int((losses.sum(1) / mask[:, 1:].sum(1)).argmin() == label)
-        return correct
-
-    def timed(f):
-        f()  # warm-up
-        runs = [seconds(device, f) for _ in range(3)]  # the best of 3: the least disturbed
-        return len(rendered) / min(t for t, _ in runs), runs[-1][1]
-
-    base, base_correct = timed(one_per_forward)
-    ours, (_, _, correct) = timed(lambda: hellaswag.evaluate(model, rendered, device, c['dtype']))
-    params = sum(p.numel() for p in model.parameters())
-    print(f"hellaswag scoring, {len(rendered)} examples, model of {params / 1e6:.1f}M parameters, "
-          f"device={device} dtype={c['dtype']}")
-    print(f"one example per forward, output layer everywhere: {base:,.1f} examples/s")
-    print(f"batched, output layer at endings (hellaswag.evaluate): {ours:,.1f} examples/s")
-    print(f"speedup: {ours / base:.2f}x (same acc_norm count: {correct == base_correct})")
-
-
 # build-nanogpt's hellaswag.py evaluation, rewritten for the whole-process comparison: HF's
 # GPT2LMHeadModel, one example (4 rows) per forward, logits at every position, the shifted logits
 # made contiguous, F.cross_entropy with reduction='none', masked sum and mean, argmin. Arguments:
@@ -403,7 +366,7 @@ def bench_hellaswag_process(c):
 
 def main():
     defaults = dict(train_gpt2.DEFAULTS, bench_steps=5, bench_warmup=2, bench_loader_tokens=0,
-                    bench_baseline=True, bench_hellaswag=False, bench_role="", bench_hellaswag_process=False,
+                    bench_baseline=True, bench_role="", bench_hellaswag_process=False,
                     bench_hellaswag_examples=500, bench_profile=False)
     try:
         c = parse_config(sys.argv[1:], defaults, __doc__)
@@ -414,8 +377,6 @@ def main():
         if c['bench_hellaswag_process']:
             return bench_hellaswag_process(c)
         _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])  # TF32 on CUDA, as trained
-        if c['bench_hellaswag']:
-            return bench_hellaswag(c, GPTConfig.from_dict(c), device)
         return bench_step(c, sys.argv[1:], device)
     except UserError as e:  # a key, a value or a device that is not right here
         sys.exit(f"error: {e}")

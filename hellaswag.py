@@ -11,7 +11,6 @@ Rows are rendered as build-nanogpt renders them (context tokens, then " " + endi
 over the ending, right-padded), so the figures compare with its published ones.
 """
 import argparse
-import contextlib
 import http.client
 import json
 import os
@@ -40,26 +39,19 @@ def download(split, cache_dir=CACHE_DIR, url=None):
         return path
     url = url or URLS[split]
 
-    def fetch(f):
+    try:  # read whole (about 11 MB) before the folder is made: a failed download leaves nothing behind
         from tqdm import tqdm
-        with urllib.request.urlopen(url, timeout=30) as r:
-            size = int(r.headers.get('Content-Length') or 0) or None
-            with tqdm(total=size, unit='B', unit_scale=True, desc=os.path.basename(path)) as bar:
-                while chunk := r.read(1 << 16):
-                    f.write(chunk)
-                    bar.update(len(chunk))
-            if size is not None and f.tell() != size:
-                raise OSError(f"got {f.tell()} of {size} bytes")
-    made, folder = [], os.path.abspath(cache_dir)  # the folders makedirs makes, deepest first
-    while not os.path.isdir(folder):
-        made, folder = made + [folder], os.path.dirname(folder)
-    try:
+        with urllib.request.urlopen(url, timeout=30) as r, tqdm(unit='B', unit_scale=True, desc=split) as bar:
+            size, data = int(r.headers.get('Content-Length') or 0) or None, bytearray()
+            bar.total = size
+            while chunk := r.read(1 << 16):
+                data += chunk
+                bar.update(len(chunk))
+        if size is not None and len(data) != size:
+            raise OSError(f"got {len(data)} of {size} bytes")
         os.makedirs(cache_dir, exist_ok=True)
-        atomic_write(path, fetch)
+        atomic_write(path, lambda f: f.write(data))
     except (OSError, http.client.HTTPException) as e:
-        for folder in made:  # none left behind, empty (rmdir: unless something was written in it)
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)
         raise UserError(f"could not download {url} ({type(e).__name__}: {e}); put hellaswag_{split}.jsonl "
                         f"in {cache_dir}, or pass its path (--file)") from None
     return path

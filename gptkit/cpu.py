@@ -98,9 +98,16 @@ class LinearCrossEntropy(torch.autograd.Function):
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, '_linear_pointwise')
 
 
-def onednn_linear(layer, x):
-    """layer(x) through oneDNN (blocks_through_onednn routes a layer here only on CPU in float32)."""
-    return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+def onednn_linear(x, weight, bias=None):
+    """F.linear(x, weight, bias) through oneDNN: on CPU in float32 only."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def onednn_applies(weight):
+    """Whether a float32 matmul with weight can go through oneDNN: on a CPU, in float32, outside
+    autocast (which would make it bf16)."""
+    return (ONEDNN_LINEAR and weight.is_cpu and weight.dtype == torch.float32
+            and not torch.is_autocast_enabled('cpu'))
 
 
 @contextlib.contextmanager
@@ -108,16 +115,15 @@ def blocks_through_onednn(model):
     """Within it, the nn.Linear layers of the model's blocks multiply through oneDNN when the model
     is on a CPU in float32 (elsewhere nothing changes): HellaSwag scores faster than with torch's
     default float32 matmul (MKL, which keeps to AVX2 on AMD CPUs). The GELU stays the model's own
-    pass (oneDNN's fused GELU epilogue was no faster), and the output layer keeps torch's matmul
-    (token_losses). The layers' own forward is back on the way out."""
-    w = model.lm_head.weight
-    on = ONEDNN_LINEAR and w.is_cpu and w.dtype == torch.float32 and not torch.is_autocast_enabled('cpu')
+    pass (oneDNN's fused GELU epilogue was no faster). The layers' own forward is back on the way
+    out."""
+    on = onednn_applies(model.lm_head.weight)
     layers = [m for m in model.transformer.h.modules() if isinstance(m, nn.Linear)] if on else []
     # None: the class's forward (a nested use keeps the outer one's)
     before = [layer.__dict__.get('forward') for layer in layers]
     try:
-        for layer in layers:
-            layer.forward = functools.partial(onednn_linear, layer)  # the instance's, before the class's
+        for layer in layers:  # the instance's forward, before the class's
+            layer.forward = functools.partial(onednn_linear, weight=layer.weight, bias=layer.bias)
         yield
     finally:
         for layer, forward in zip(layers, before):
@@ -129,15 +135,16 @@ def blocks_through_onednn(model):
 
 def token_losses(h, weight, at, targets):
     """-log p(targets[i]) from the output layer (weight, no bias) applied to h[at[i]], in float32:
-    the logits go 512 words of the vocabulary at a time, each (N, 512) block in cache from the
+    the logits go 1024 words of the vocabulary at a time, each (N, 1024) block in cache from the
     matmul through its log-sum-exp (faster than whole rows), a target's logit picked from its
-    block. Torch's own matmul (MKL) here: faster than oneDNN for these thin products."""
+    block; in float32 the matmul goes through oneDNN."""
+    linear = onednn_linear if onednn_applies(weight) else F.linear
     V = weight.size(0)
-    lse = torch.empty(len(h), (V + 511) // 512)
+    lse = torch.empty(len(h), (V + 1023) // 1024)
     picked = torch.empty(len(targets))
-    for c, v in enumerate(range(0, V, 512)):
-        logits = F.linear(h, weight[v:v + 512]).float()  # no copy in float32
+    for c, v in enumerate(range(0, V, 1024)):
+        logits = linear(h, weight[v:v + 1024]).float()  # no copy in float32
         lse[:, c] = torch.logsumexp(logits, dim=1)
-        here = (targets >= v) & (targets < v + 512)
+        here = (targets >= v) & (targets < v + 1024)
         picked[here] = logits[at[here], targets[here] - v]
     return torch.logsumexp(lse, dim=1)[at] - picked
