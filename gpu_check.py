@@ -102,8 +102,7 @@ def main():
     steady = rates[len(rates) // 3:]  # the first steps compile
     tok_per_s = statistics.median(steady)
     _, _, device = train_gpt2.setup_device(c['device'])  # this process: no DDP; cpu_reuse_memory is for CPUs
-    c = choose_precision(c, device)  # the precision the run used
-    c = memory.micro_batch_of(c, device)  # B="auto": the trainer's choice, printed
+    c = memory.micro_batch_of(choose_precision(c, device), device)  # the run's precision and B
     print(f"device: {device_name(device)}")
     print(f"tok/s (median of steps {len(rates) - len(steady)}..{len(rates) - 1}): {tok_per_s:,.0f}")
     print_flops(c, device, tok_per_s)

@@ -166,12 +166,13 @@ def ending_states(model, batch, of_context, rows, device, most_tokens):
 
 def by_length(fed, start, most_tokens):
     """The keys of fed (per row, the tokens it feeds after a KV cache of start positions) in
-    batches of about one length: sorted by length, a batch padded to its longest adds at most 1/8
-    to its tokens, and holds at most most_tokens, the copies of the cache included."""
+    batches of about one length, sorted by length: a batch of 256 tokens or more ends where padding
+    it to the next row's length would add over 1/8 to its tokens, and it holds at most most_tokens,
+    the copies of the cache included."""
     batch, real = [], 0
     for r in sorted(fed, key=lambda r: len(fed[r])):
         n, rows = len(fed[r]), len(batch) + 1
-        if batch and (n * rows > 1.125 * (real + n) or (start + n) * rows > most_tokens):
+        if batch and (real >= 256 and n * rows > 1.125 * (real + n) or (start + n) * rows > most_tokens):
             yield batch
             batch, real = [], 0
         batch.append(r)

@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 
 from gptkit.common import UserError, atomic_write
@@ -84,15 +85,11 @@ def smooth(values, half=10):
     slope times that), a straight stretch comes back as it is, and the newest value is smoothed
     too. A non-finite value (a skipped step's nan) stays nan, a gap as in the raw curve, and is
     left out of its neighbours' fits."""
-    out = []
-    for i, v in enumerate(values):
+    def fit(i):  # the line's intercept: its value at x = 0, this step; one point alone is itself
         near = [(j - i, values[j]) for j in range(max(0, i - half), min(len(values), i + half + 1))
                 if math.isfinite(values[j])]
-        mx, my = sum(x for x, _ in near) / len(near), sum(y for _, y in near) / len(near)
-        sxx = sum((x - mx) ** 2 for x, _ in near)
-        slope = sum((x - mx) * (y - my) for x, y in near) / sxx if sxx else 0.0
-        out.append(my - slope * mx if math.isfinite(v) else math.nan)  # the line at x = 0, this step
-    return out
+        return statistics.linear_regression(*zip(*near)).intercept if len(near) > 1 else values[i]
+    return [fit(i) if math.isfinite(v) else math.nan for i, v in enumerate(values)]
 
 
 def plot(runs, out, fineweb_edu=False):

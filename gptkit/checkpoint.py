@@ -199,7 +199,7 @@ def find_checkpoint(log_dir, resume, device):
         except UserError as e:
             error = str(e)
     parallel.wait_for_all()  # rank 0 read every candidate, for as long as it took
-    step = parallel.from_rank0(step)  # -1: nothing to resume, or rank 0 failed
+    step = parallel.gather_objects(step)[0]  # rank 0's: -1 for nothing to resume, or rank 0 failed
     if rank > 0 and step >= 0:
         path = os.path.join(log_dir, f"model_{step:05d}.pt")
         try:

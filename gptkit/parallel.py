@@ -106,12 +106,6 @@ def end_process_group(finished):
         dist.destroy_process_group()
 
 
-def collective_device():
-    """Where small tensors for collectives live: the GPU for NCCL (it reads nothing else), the CPU
-    for gloo."""
-    return torch.device('cuda' if dist.get_backend() == 'nccl' else 'cpu')  # cuda: the current GPU
-
-
 def agree(value, op='max'):
     """value (a bool or an int) combined over all ranks, the same answer on every rank: with 'max',
     a flag is True when it is True on any rank; with 'min', only when it is True on every rank.
@@ -119,18 +113,9 @@ def agree(value, op='max'):
     assert op in ('max', 'min'), op
     if world_size() == 1:
         return value
-    t = torch.tensor(int(value), device=collective_device())
+    t = torch.tensor(int(value), device='cuda' if dist.get_backend() == 'nccl' else 'cpu')  # NCCL: GPUs only
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == 'max' else dist.ReduceOp.MIN)
     return type(value)(t.item())
-
-
-def from_rank0(value):
-    """Rank 0's int, on every rank."""
-    if world_size() == 1:
-        return value
-    t = torch.tensor(value, device=collective_device())
-    dist.broadcast(t, 0)
-    return t.item()
 
 
 def gather_objects(obj):

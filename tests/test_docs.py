@@ -44,8 +44,8 @@ def test_resolver_tells_real_names_from_stale_ones():
     assert not defines(trainer, "no_such_function") and not defines(trainer, "DataLoaderLite.no_such_method")
     assert not defines(trainer, "train_step.x")  # a function has no members here
     assert not defines(os.path.join(ROOT, "no_such_file.py"), "main")
-    assert references("see `model.py:GPT.forward` and `a/b.py:c`, not file.py:x") == [("model.py", "GPT.forward"),
-                                                                                     ("a/b.py", "c")]
+    found = references("see `model.py:GPT.forward` and `a/b.py:c`, not file.py:x")
+    assert found == [("model.py", "GPT.forward"), ("a/b.py", "c")]
 
 
 def test_every_code_reference_in_docs_resolves():
@@ -105,7 +105,8 @@ def test_one_gpt2_hellaswag_baseline_with_its_source():
     assert plot.REFERENCE["hella"][0][0] == 0.2955
     for path in ("README.md", "docs/hellaswag.md", "hellaswag.py"):
         assert "0.2955" in read(path), path
-    for path in ["README.md", *glob.glob(os.path.join(ROOT, "docs", "*.md")), *glob.glob(os.path.join(ROOT, "*.py"))]:
+    docs, scripts = glob.glob(os.path.join(ROOT, "docs", "*.md")), glob.glob(os.path.join(ROOT, "*.py"))
+    for path in ["README.md", *docs, *scripts]:
         text = read(path)
         if "0.2945" in text:
             assert os.path.basename(path) in ("hellaswag.md", "plot.py"), path
@@ -115,7 +116,8 @@ def test_one_gpt2_hellaswag_baseline_with_its_source():
 
 def test_slurm_lead_time_is_one_figure():
     """Issue 21.11: the SLURM signal's lead time is the same everywhere it is written."""
-    texts = [read("README.md"), read("scripts", "slurm_train.sh")] + [open(p).read() for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))]
+    docs = glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    texts = [read("README.md"), read("scripts", "slurm_train.sh")] + [open(p).read() for p in docs]
     assert {m for t in texts for m in re.findall(r"TERM@(\d+)", t)} == {"300"}
 
 
@@ -148,22 +150,24 @@ def test_readme_commands_run_in_order(tmp_path):
     run_here = [c for c in commands if left_out(c) is None]
     assert len(commands) - len(run_here) == 15, [c for c in commands if left_out(c)]
     assert run_here == ["python fineweb.py --demo", "python train_gpt2.py config/demo_cpu.py",
-                        "torchrun --standalone --nproc_per_node=2 train_gpt2.py config/demo_cpu.py --log_dir=log_demo_ddp",
+                        "torchrun --standalone --nproc_per_node=2 train_gpt2.py config/demo_cpu.py "
+                        "--log_dir=log_demo_ddp",
                         "python plot.py log_demo --out demo.png",
                         'python sample.py --model log_demo --prompt "def" --num_samples 4',
                         "python export_hf.py log_demo/model_00120.pt demo_hf"], run_here
     random_shards(tmp_path / "demo_stdlib", 0, 3000, [20000], vocab=50257)
-    (tmp_path / "config").symlink_to(os.path.join(ROOT, "config"))  # the commands run from the project's folder
-    tiny = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=32", "--T=32", "--B=2", "--total_batch_size=128",
-            "--val_tokens=256", "--sample_length=4", "--device=cpu", "--dtype=float32"]
+    (tmp_path / "config").symlink_to(os.path.join(ROOT, "config"))  # commands run from the project's folder
+    tiny = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=32", "--T=32", "--B=2",
+            "--total_batch_size=128", "--val_tokens=256", "--sample_length=4", "--device=cpu",
+            "--dtype=float32"]
     outs = {}
     for command in run_here[1:]:
         words = shlex.split(command)
         extra = tiny if "train_gpt2.py" in words else []
         if words[0] == "torchrun":
-            r = forked.run([sys.executable, "-m", "torch.distributed.run", *words[1:3], os.path.join(ROOT, words[3]),
-                            *words[4:], *extra], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                           env=one_thread())
+            cmd = [sys.executable, "-m", "torch.distributed.run", *words[1:3], os.path.join(ROOT, words[3]),
+                   *words[4:], *extra]
+            r = forked.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=one_thread())
             assert r.returncode == 0, (command, r.stdout[-2000:], r.stderr[-2000:])
         else:
             r = run_command(command, tmp_path, *extra)
@@ -176,7 +180,8 @@ def test_readme_commands_run_in_order(tmp_path):
     assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
     sample = outs[run_here[4]]
     assert sample.stdout.count("--- sample ") == 4 and "log_demo/model_00120.pt" in sample.stderr
-    assert (tmp_path / "demo_hf" / "model.safetensors").exists() and (tmp_path / "demo_hf" / "tokenizer.json").exists()
+    assert (tmp_path / "demo_hf" / "model.safetensors").exists()
+    assert (tmp_path / "demo_hf" / "tokenizer.json").exists()
 
 
 def read_log_lines(log_dir):
@@ -195,25 +200,28 @@ def test_own_documents_commands_of_data_md(tmp_path):
     for i in range(2):  # the size the docs give the example: a few hundred KB, about 100,000 tokens
         with open(tmp_path / "my_corpus" / f"part{i}.jsonl", "w") as f:
             for d in range(180):
-                f.write(json.dumps({"text": " ".join(words[(i * 7 + d * 3 + k) % len(words)] for k in range(300))}) + "\n")
-    (tmp_path / "config").symlink_to(os.path.join(ROOT, "config"))  # the commands run from the project's folder
+                text = " ".join(words[(i * 7 + d * 3 + k) % len(words)] for k in range(300))
+                f.write(json.dumps({"text": text}) + "\n")
+    (tmp_path / "config").symlink_to(os.path.join(ROOT, "config"))  # commands run from the project's folder
     size = sum(os.path.getsize(p) for p in glob.glob(str(tmp_path / "my_corpus" / "*")))
     r = run_command(commands[0], tmp_path)
     assert "warning" not in r.stdout + r.stderr
     tokens = int(re.search(r"done: ([\d,]+) tokens", r.stdout).group(1).replace(",", ""))
     assert 200_000 < size < 900_000 and 80_000 < tokens < 150_000, (size, tokens)
     assert len(glob.glob(str(tmp_path / "my_data" / "local_train_*.npy"))) >= 4  # named as local files'
-    run_command(commands[1], tmp_path, "--max_steps=2", "--device=cpu", "--dtype=float32", "--val_tokens=1024",
-                "--sample_interval=0")
+    run_command(commands[1], tmp_path, "--max_steps=2", "--device=cpu", "--dtype=float32",
+                "--val_tokens=1024", "--sample_interval=0")
     assert "2 val " in (tmp_path / "log_my_data" / "log.txt").read_text()
-    r = run_command(commands[0].replace(" --shard_size 20000", "").replace("my_data", "my_data_one_shard"), tmp_path)
+    one_shard = commands[0].replace(" --shard_size 20000", "").replace("my_data", "my_data_one_shard")
+    r = run_command(one_shard, tmp_path)
     assert "warning: only the val shard was written" in r.stdout + r.stderr
     r = forked.run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), "config/demo_cpu.py",
-                    "--data_root=my_data_one_shard", "--log_dir=log_one_shard"], cwd=tmp_path, capture_output=True,
-                   text=True, timeout=300, env=one_thread())
-    assert r.returncode == 1 and r.stderr.startswith("error: 'my_data_one_shard' holds a val shard and no train "
-                                                     "shard") and "smaller --shard_size" in r.stderr, r.stderr
-    assert not (tmp_path / "log_one_shard").exists() and "config:" not in r.stdout  # nothing made, nothing printed
+                    "--data_root=my_data_one_shard", "--log_dir=log_one_shard"], cwd=tmp_path,
+                   capture_output=True, text=True, timeout=300, env=one_thread())
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("error: 'my_data_one_shard' holds a val shard and no train shard"), r.stderr
+    assert "smaller --shard_size" in r.stderr, r.stderr
+    assert not (tmp_path / "log_one_shard").exists() and "config:" not in r.stdout  # nothing made or said
 
 
 def test_fsdp_memory_table_matches_a_count():
@@ -230,8 +238,9 @@ def test_fsdp_memory_table_matches_a_count():
     for preset, (B, gb) in table.items():
         c = parse_config([os.path.join(ROOT, "config", preset + ".py")], train_gpt2.DEFAULTS)
         shape = GPTConfig.from_dict(c)
-        assert memory.micro_batch(dict(c, dtype="bfloat16", compile=True), shape, "cuda", 8, free=80e9)[0] == B, preset
-        fixed, per_seq = memory.activations(shape, c["T"], "bfloat16", "cpu", compiled=False)  # the CPU's loss
+        on_gpu = dict(c, dtype="bfloat16", compile=True)
+        assert memory.micro_batch(on_gpu, shape, "cuda", 8, free=80e9)[0] == B, preset
+        fixed, per_seq = memory.activations(shape, c["T"], "bfloat16", "cpu", compiled=False)  # CPU's loss
         total = fixed + B * per_seq  # = the count of the whole forward, to 0.5% (test_memory.py)
         assert abs(total / 1e9 - gb) < 0.05, (preset, total / 1e9, gb)
 
