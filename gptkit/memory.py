@@ -157,8 +157,8 @@ def _divisors():
 
 
 def examples_per_batch(B, T):
-    """HellaSwag's batch during training: about as many tokens as a training micro-batch (an example
-    packs into fewer than 256 tokens with its 4 endings), at most hellaswag.py's 32: it fits where a
+    """HellaSwag's batch during training: about as many tokens as a training micro-batch (an example's
+    context and 4 endings come to fewer than 256 tokens), at most hellaswag.py's 32: it fits where a
     step fits."""
     return max(1, min(32, B * T // 256))
 
