@@ -94,8 +94,8 @@ def main():
         assert "resuming from" in resumed.stdout
         logs = [dict(zip(*read_log(os.path.join(tmp, d))['train'])) for d in ('log', 'resumed')]
         loss_diff = max(abs(logs[0][s] - logs[1][s]) for s in range(10, 30))
-        a, b = (torch.load(os.path.join(tmp, d, 'model_00030.pt'), map_location='cpu',
-                           weights_only=True)['model'] for d in ('log', 'resumed'))
+        paths = [os.path.join(tmp, d, 'model_00030.pt') for d in ('log', 'resumed')]
+        a, b = (torch.load(p, map_location='cpu', weights_only=True)['model'] for p in paths)
         param_diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     rates = [float(r) for r in re.findall(r"tok/sec (\d+\.\d+)", out.stdout)]
     first_dt = float(re.search(r"dt (\d+\.\d+)ms", out.stdout).group(1)) / 1000

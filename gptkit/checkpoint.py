@@ -93,8 +93,11 @@ def checksum(obj):
     zeroed on disk changes it (torch.load checks no CRC: such a file loads without complaint)."""
     if torch.is_tensor(obj):
         return tensor_checksum(obj).item()
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return sum(map(checksum, values)) % 2 ** 62
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if not isinstance(obj, (list, tuple)):
+        return 0  # a number, a string: not a tensor's bytes
+    return sum(map(checksum, obj)) % 2 ** 62
 
 
 def list_checkpoints(log_dir):
@@ -288,7 +291,8 @@ def save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints):
                      f"checkpoints are untouched: fix that (free some space, say) and run the same command "
                      f"again to resume")
         else:
-            for _, old in list_checkpoints(log_dir)[keep_checkpoints:] if keep_checkpoints > 0 else []:
+            older = list_checkpoints(log_dir)[keep_checkpoints:] if keep_checkpoints > 0 else []
+            for _, old in older:
                 os.remove(old)  # only now that a newer one is complete
     parallel.wait_for_all()  # however long rank 0 took to write: the next collective is bounded again
     if parallel.agree(error is not None):
