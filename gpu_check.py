@@ -45,9 +45,10 @@ from plot import read_log
 
 
 def time_evals(c, device, n_examples):
-    """Seconds of one val eval over c['val_tokens'] random tokens (torch.compile'd, after a warm-up
-    that compiles it) and of one HellaSwag eval over n_examples synthetic examples (eager, as the
-    trainer runs it), on a fresh model of the run's shape."""
+    """Seconds of one val eval over c['val_tokens'] random tokens and of one HellaSwag eval over
+    n_examples synthetic examples, each as the trainer runs it (compiled when c['compile'], after a
+    warm-up that compiles it), on a fresh model of the run's shape; HellaSwag's counts are printed
+    beside the eager scorer's."""
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_dict(c)).to(device)
     compiled = torch.compile(model, dynamic=False) if c['compile'] else model  # as the trainer compiles it
@@ -57,8 +58,12 @@ def time_evals(c, device, n_examples):
     train_gpt2.evaluate(compiled, tokens[:2 * c['B'] * c['T'] + 1], *args)  # compiles
     val_s, _ = seconds(device, lambda: train_gpt2.evaluate(compiled, tokens, *args))
     rendered = [hellaswag.render_example(e) for e in hellaswag.synthetic_examples(n_examples)]
-    hellaswag.evaluate(model, rendered[:64], device, c['dtype'])  # warm-up
-    hella_s, _ = seconds(device, lambda: hellaswag.evaluate(model, rendered, device, c['dtype']))
+    batch, bs = memory.examples_per_batch(c['B'], c['T']), model.config.block_size
+    prepared = hellaswag.prepare(rendered, bs, device, batch, one_shape=c['compile'])  # as the trainer does
+    hellaswag.evaluate(model, prepared, c['dtype'], c['compile'])  # compiles
+    hella_s, counts = seconds(device, lambda: hellaswag.evaluate(model, prepared, c['dtype'], c['compile']))
+    eager = hellaswag.evaluate(model, hellaswag.prepare(rendered, bs, device, batch), c['dtype'])
+    print(f"hellaswag (examples, acc, acc_norm): {counts.tolist()}, eager: {eager.tolist()}")
     return val_s, hella_s
 
 

@@ -11,6 +11,8 @@ Rows are rendered as build-nanogpt renders them (context tokens, then " " + endi
 over the ending, right-padded), so the figures compare with its published ones.
 """
 import argparse
+import contextlib
+import functools
 import http.client
 import json
 import os
@@ -96,117 +98,118 @@ def render_example(example):
     return tokens, mask, example['label']
 
 
-def rows_of(rendered, block_size):
-    """The rows of rendered examples, 4 per example, as (context, ending) token lists: the ending
-    (mask 1), and the context tokens before it. A row longer than block_size loses context tokens
-    from the left; its ending must fit."""
+def prepare(rendered, block_size, device, batch_examples=32, rank=0, world=1, one_shape=False):
+    """Rank's share of rendered examples, made once on the host into what ending_losses takes, on
+    device: (batches, labels). The examples are sorted by context length and dealt to the ranks in
+    turn, E = batch_examples to a batch: ctx (E, P), the first P tokens of their contexts; pieces of
+    R rows sorted by length, each (which (R,), the example of each row, x (R, T), the rows' tokens
+    after the first P, right-padded, at (m,), the positions in x.view(-1) that predict ending
+    tokens); y (M,), those tokens, piece after piece; row (M,), the row of each among all of the
+    rank's (4 * len(labels): padding). R = E; with one_shape, R = 4E, P = 0, and every batch has one
+    shape: one compiled graph. A row longer than block_size loses context tokens from the left; its
+    ending must fit."""
+    long = sum(tokens.size(1) > block_size for tokens, _, _ in rendered)
+    if long and rank == 0:
+        print(f"hellaswag: {long} examples are longer than block_size={block_size}: "
+              f"their contexts lose tokens from the left")
+    rows = []  # 4 per example: (tokens, the position that predicts its first scored token)
     for tokens, mask, _ in rendered:
         for row, m in zip(tokens.tolist(), mask.tolist()):
             start, n = m.index(1), len(m) - m[::-1].index(1)  # the ending is row[start:n]
             cut = max(0, n - block_size)
             if start < cut:
                 raise UserError(f"an ending of {n - start} tokens does not fit in block_size={block_size}")
-            yield tuple(row[cut:start]), row[start:n]
+            rows.append((row[cut:n], max(start - cut - 1, 0)))  # no context: the first token unscored
+    # per example, the context tokens its rows share (none if they were cut), less the last one
+    shared = [0 if tokens.size(1) > block_size else min(p for _, p in rows[4 * j:4 * j + 4])
+              for j, (tokens, _, _) in enumerate(rendered)]
+    mine, E = sorted(range(len(rendered)), key=shared.__getitem__)[rank::world], batch_examples
+    R = 4 * E if one_shape else E
+    scored = [[len(t) - p - 1 for t, p in rows[4 * j:4 * j + 4]] for j in mine]
+    if one_shape:
+        T = max(len(rows[4 * j + r][0]) for j in mine for r in range(4))
+        M = max(sum(map(sum, scored[i:i + E])) for i in range(0, len(mine), E))
+    batches = []
+    for i in range(0, len(mine), E):
+        P = 0 if one_shape else shared[mine[i]]  # the shortest context of the batch, less its last token
+        ctx = torch.tensor([rows[4 * j][0][:P] for j in mine[i:i + E]] + [[0] * P] * (i + E - len(mine)),
+                           dtype=torch.long)
+        ranked = sorted(((k, 4 * (i + k) + r, *rows[4 * j + r]) for k, j in enumerate(mine[i:i + E])
+                         for r in range(4)), key=lambda row: len(row[2]))  # (example, row, tokens, position)
+        pieces, y, row = [], [], []
+        for piece in (ranked[s:s + R] for s in range(0, len(ranked), R)):
+            T = T if one_shape else max(len(t) for *_, t, _ in piece) - P
+            which, x, at = torch.zeros(R, dtype=torch.long), torch.zeros(R, T, dtype=torch.long), []
+            for r, (k, g, t, p) in enumerate(piece):
+                which[r], x[r, :len(t) - P] = k, torch.tensor(t[P:])
+                at += range(r * T + p - P, r * T + len(t) - 1 - P)
+                y += t[p + 1:]
+                row += [g] * (len(t) - p - 1)
+            pad = M - len(y) if one_shape else 0  # one piece
+            pieces.append((which.to(device), x.to(device), torch.tensor(at + [0] * pad, device=device)))
+        y, row = torch.tensor(y + [0] * pad), torch.tensor(row + [4 * len(mine)] * pad)
+        batches.append((ctx.to(device), pieces, y.to(device), row.to(device)))
+    return batches, torch.tensor([rendered[j][2] for j in mine], device=device)
+
+
+def batch_losses(model, ctx, pieces, y):
+    """The losses (M,) of the ending tokens y of a batch of prepare's: each one's cross-entropy, in
+    float32, after the tokens before it in its row. Shapes fixed by the batch, and no op whose
+    output's size depends on the data: nothing waits for the host, and compiled it is one graph."""
+    P, cache, states = ctx.size(1), None, []
+    if P:  # the rows of an example share its context: its first P tokens go through the model once
+        shared = model.new_kv_cache(len(ctx), P)
+        model.hidden_states(ctx, shared)
+    for which, x, at in pieces:
+        if P:  # each row's first P positions, from its example's context
+            cache = model.new_kv_cache(len(x), P + x.size(1))
+            for layer, context in zip(cache, shared):
+                layer[:, :, :, :P] = context[:, which]
+        states.append(model.hidden_states(x, cache, start_pos=P).flatten(0, 1)[at])  # (m, n_embd)
+    return token_losses(model, torch.cat(states), y)  # the output layer only where an ending token is next
+
+
+def token_losses(model, h, targets):
+    """-log p(targets[i]) from the output layer applied to h[i], in float32."""
+    if h.is_cpu:  # the CPU's way: the vocabulary in blocks that stay in cache (gptkit/cpu.py)
+        return cpu.token_losses(h, model.lm_head.weight, targets)
+    logits = model.lm_head(h).float()  # (N, vocab)
+    return torch.logsumexp(logits, dim=1) - logits.gather(1, targets[:, None])[:, 0]
+
+
+@functools.cache
+def compiled_batch_losses():
+    return torch.compile(batch_losses, dynamic=False)
 
 
 @torch.no_grad()
-def ending_losses(model, rendered, device, dtype="float32", batch_examples=32):
-    """(sum, mean) losses (4 * len(rendered),) of the endings of rendered examples: each ending
-    token's cross-entropy, in float32, after the tokens before it in its row. The 4 rows of an
-    example share its context: it goes through the model once, into a KV cache that the rows then
-    read on from, batch_examples contexts of about one length together (ending_states). The output
-    layer runs only where an ending token is predicted."""
-    rows = list(rows_of(rendered, model.config.block_size))
-    of_context = {}  # a context -> its rows
-    for r, (context, _) in enumerate(rows):
-        of_context.setdefault(context, []).append(r)
-    contexts = sorted(of_context, key=len)
-    sum_loss, count = torch.zeros(len(rows), device=device), torch.zeros(len(rows), device=device)
-    with autocast(device, dtype), cpu.blocks_through_onednn(model):  # CPU, float32: oneDNN's matmul
-        for i in range(0, len(contexts), batch_examples):
-            batch = contexts[i:i + batch_examples]
-            h, scored = ending_states(model, batch, of_context, rows, device, 256 * batch_examples)
-            at, targets, owner = torch.tensor(scored, device=device).view(-1, 3).T
-            losses = token_losses(model, h, at, targets)
-            sum_loss.index_add_(0, owner, losses)
-            count.index_add_(0, owner, torch.ones_like(losses))
-    return sum_loss, sum_loss / count
+def ending_losses(model, prepared, dtype="float32", compile=False):
+    """(sum, mean) losses of every ending of prepare's output (on the model's device), 4 per example
+    in its order: each ending token's cross-entropy after the tokens before it, in float32."""
+    (batches, labels), device = prepared, model.lm_head.weight.device
+    f = compiled_batch_losses() if compile else batch_losses
+    sums = torch.zeros(2, 4 * len(labels) + 1, device=device)  # per row: summed losses, scored tokens
+    faster = contextlib.nullcontext() if compile else cpu.blocks_through_onednn(model)  # CPU, float32: oneDNN
+    with autocast(device, dtype), faster:
+        for ctx, pieces, y, row in batches:
+            losses = f(model, ctx, pieces, y)
+            sums.index_add_(1, row, torch.stack((losses, torch.ones_like(losses))))
+    return sums[0, :-1], sums[0, :-1] / sums[1, :-1]
 
 
-def ending_states(model, batch, of_context, rows, device, most_tokens):
-    """For a batch of contexts, shortest first: the final hidden states h (N, n_embd) that predict
-    their rows' ending tokens, and per ending token (its row of h, the token, its row). The first
-    P tokens of every context (P: the shortest's length) go through the model once, into a KV
-    cache; each row goes on from there (start_pos=P) with the rest of its context and its ending."""
-    P, states, scored = len(batch[0]), [], []
-    context_of = {r: j for j, context in enumerate(batch) for r in of_context[context]}
-    if P:  # the position P - 1 predicts the first ending token of the rows whose context ends there
-        cache = model.new_kv_cache(len(batch), P)
-        states.append(model.hidden_states(torch.tensor([c[:P] for c in batch], device=device), cache)[:, -1])
-        scored += [(context_of[r], rows[r][1][0], r) for r in context_of if len(rows[r][0]) == P]
-    seqs = {r: list(rows[r][0]) + rows[r][1] for r in context_of}
-    fed = {r: seq[P:-1] for r, seq in seqs.items() if len(seq) > P + 1}  # the last token is only predicted
-    for part in by_length(fed, P, most_tokens):
-        n, T, keep = sum(map(len, states)), len(fed[part[-1]]), []
-        idx = torch.zeros(len(part), T, dtype=torch.long)  # right-padded: the padding comes after, unseen
-        for k, r in enumerate(part):
-            idx[k, :len(fed[r])] = torch.tensor(fed[r])
-            first = max(len(rows[r][0]) - 1 - P, 0)  # fed[first] predicts an ending token: the first one here
-            scored += [(n + len(keep) + i, token, r) for i, token in enumerate(seqs[r][P + first + 1:])]
-            keep += range(k * T + first, k * T + len(fed[r]))
-        kv = model.new_kv_cache(len(part), P + T)
-        if P:  # each row's first P positions, copied from the contexts' cache
-            which = torch.tensor([context_of[r] for r in part], device=device)
-            for layer, context_layer in zip(kv, cache):
-                layer[:, :, :, :P] = context_layer[:, which]
-        h = model.hidden_states(idx.to(device), kv, start_pos=P).flatten(0, 1)  # (len(part) * T, n_embd)
-        states.append(h[torch.tensor(keep, device=device)])
-    return torch.cat(states), scored
+def evaluate(model, prepared, dtype="float32", compile=False):
+    """(examples, correct by acc, correct by acc_norm) of prepare's output: a tensor (3,) on the
+    model's device, counted without the host; sum it over ranks for the whole set."""
+    total, mean = ending_losses(model, prepared, dtype, compile)
+    labels = prepared[1]
+    picks = torch.stack((total.view(-1, 4).argmin(1), mean.view(-1, 4).argmin(1))) == labels  # (2, examples)
+    return torch.cat((torch.tensor([len(labels)], device=labels.device), picks.sum(1)))
 
 
-def by_length(fed, start, most_tokens):
-    """The keys of fed (per row, the tokens it feeds after a KV cache of start positions) in
-    batches of about one length, sorted by length: a batch of 256 tokens or more ends where padding
-    it to the next row's length would add over 1/8 to its tokens, and it holds at most most_tokens,
-    the copies of the cache included."""
-    batch, real = [], 0
-    for r in sorted(fed, key=lambda r: len(fed[r])):
-        n, rows = len(fed[r]), len(batch) + 1
-        if batch and (real >= 256 and n * rows > 1.125 * (real + n) or (start + n) * rows > most_tokens):
-            yield batch
-            batch, real = [], 0
-        batch.append(r)
-        real += n
-    if batch:
-        yield batch
-
-
-def token_losses(model, h, at, targets):
-    """-log p(targets[i]) from the output layer applied to h[at[i]], in float32."""
-    if h.is_cpu:  # the CPU's way: the vocabulary in blocks that stay in cache (gptkit/cpu.py)
-        return cpu.token_losses(h, model.lm_head.weight, at, targets)
-    logits = model.lm_head(h).float()  # (N, vocab)
-    return torch.logsumexp(logits, dim=1)[at] - logits[at, targets]
-
-
-def evaluate(model, rendered, device, dtype="float32", rank=0, world=1, batch_examples=32):
-    """(examples, correct by acc, correct by acc_norm) over examples i % world == rank; sum these
-    over ranks for the whole set."""
-    mine = rendered[rank::world]
-    long = sum(int(torch.nonzero(mask.sum(0))[-1]) + 1 > model.config.block_size for _, mask, _ in mine)
-    if long and rank == 0:
-        print(f"hellaswag: {long} examples are longer than block_size={model.config.block_size}: "
-              f"their contexts lose tokens from the left")
-    sum_loss, avg_loss = ending_losses(model, mine, device, dtype, batch_examples)
-    labels = torch.tensor([label for _, _, label in mine], device=device, dtype=torch.long)
-    correct = int((sum_loss.view(-1, 4).argmin(1) == labels).sum())
-    correct_norm = int((avg_loss.view(-1, 4).argmin(1) == labels).sum())
-    return len(mine), correct, correct_norm
-
-
-def load_for_training(file, model):
-    """For train_gpt2.py's evals: the rendered val examples (file, else the cached or downloaded
-    split), or None after one warning when there are none; the same answer on every rank."""
+def load_for_training(file, model, batch_examples, device, one_shape=False):
+    """For train_gpt2.py's evals: this rank's batches of the val examples (file, else the cached or
+    downloaded split), prepared and on the device once for the whole run; or None after one warning
+    when there are none, the same answer on every rank."""
     from gptkit import parallel  # the trainer's path only: `python hellaswag.py` needs no DDP or FSDP
     examples, why = None, None
     if model.config.vocab_size < N_VOCAB:
@@ -229,7 +232,10 @@ def load_for_training(file, model):
     found = parallel.agree(examples is not None, 'min')  # e.g. a node without the file: nobody evaluates
     if parallel.rank() == 0 and not found:
         print(f"warning: no HellaSwag eval: {why or 'not on every node'}; training goes on without it")
-    return examples if found else None
+    if not found:
+        return None
+    return prepare(examples, model.config.block_size, device, batch_examples, parallel.rank(),
+                   parallel.world_size(), one_shape)
 
 
 def synthetic_examples(n, seed=0):
@@ -283,12 +289,9 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     from tqdm import tqdm
     rendered = [render_example(e) for e in tqdm(examples, desc="render", leave=False)]
-    n = correct = correct_norm = 0
-    with tqdm(total=len(rendered), desc="score") as bar:
-        for i in range(0, len(rendered), 1024):
-            a, b, c = evaluate(model, rendered[i:i + 1024], device, args.dtype, 0, 1, args.batch_examples)
-            n, correct, correct_norm = n + a, correct + b, correct_norm + c
-            bar.update(a)
+    batches, labels = prepare(rendered, model.config.block_size, device, args.batch_examples)
+    counts = evaluate(model, (tqdm(batches, desc="score"), labels), args.dtype)
+    n, correct, correct_norm = counts.tolist()
     print(f"acc: {correct / n:.4f} acc_norm: {correct_norm / n:.4f}")
 
 

@@ -16,7 +16,6 @@ import math
 import os
 import sys
 import time
-from datetime import timedelta
 
 import numpy as np
 import torch
@@ -29,8 +28,8 @@ from gptkit.configurator import accumulation_steps, parse_config
 from gptkit.cpu import reuse_freed_memory
 from gptkit.hardware import autocast, choose_precision, peak_flops, pick_device, pinned
 from gptkit.optim import get_lr
-from gptkit.parallel import (agree, clip_grad_norm, end_process_group, gave_up, require_backward_grad_sync,
-                             restart_store, shard_fsdp, start_patient_group, state_mib, wait_for_all,
+from gptkit.parallel import (agree, clip_grad_norm, end_process_group, first_step_timeout, gave_up, hold_to,
+                             require_backward_grad_sync, restart_store, shard_fsdp, state_mib, wait_for_all,
                              whole_models, world_size, wrap_ddp, zero_grad)
 from gptkit.parallel import rank as process_rank
 from gptkit.shards import ShardStream, find_shards, load_val_tokens
@@ -86,7 +85,7 @@ dtype = "auto"  # auto (what the hardware does fast, said at start), bfloat16, f
 compile = "auto"  # torch.compile the model: "auto" = on CUDA (slower start, faster steps); True, False
 cpu_reuse_memory = True  # CPU on Linux: keep freed memory for reuse: faster steps, more peak RSS
 parallel = "ddp"  # with torchrun: "ddp" (a whole copy of the state per GPU) or "fsdp" (sharded: docs/fsdp.md)
-collective_timeout = 600  # seconds a rank waits for the others (a stuck rank), not for rank 0's work alone
+collective_timeout = 600  # seconds a rank waits for the others once the first step is done (docs/ddp.md, 10)
 seed = 1337  # the init, the data's order, the samples
 # Weights & Biases (rank 0; the numbers of log.txt): pip install -r requirements-wandb.txt
 wandb_log = False  # also log to W&B
@@ -118,12 +117,12 @@ def setup_device(device, cpu_reuse_memory=False, collective_timeout=DEFAULTS['co
     if device == 'cpu' and cpu_reuse_memory:
         reuse_freed_memory()  # the CPU's own speed trick: gptkit/cpu.py
     if ddp:
-        # NCCL between GPUs, gloo between CPU processes. A collective that waits longer than
-        # collective_timeout ends the run (a stuck rank); rank 0's long work alone: wait_for_all
+        # NCCL between GPUs, gloo between CPU processes. A collective that waits longer than its timeout
+        # ends the run (a stuck rank): an hour until the first step is done, as each rank compiles at its
+        # own pace, then collective_timeout (train: hold_to); rank 0's long work alone: wait_for_all
         dist.init_process_group(backend='nccl' if cuda else 'gloo', store=restart_store(), rank=rank,
                                 world_size=world, device_id=torch.device(device) if cuda else None,
-                                timeout=timedelta(seconds=collective_timeout))
-        start_patient_group()
+                                timeout=first_step_timeout(collective_timeout))
     return rank, world, device
 
 
@@ -201,15 +200,13 @@ def evals_and_samples(state, val_data, hella_data, do_eval, do_sample):
             print(f"step {step:5d} | val loss {val_loss:.4f} | val bpb {bpb:.4f}")
             run_record.log(log_dir, f"{step} val {val_loss:.4f}")
             run_record.log(log_dir, f"{step} bpb {bpb:.4f}")
-    if do_eval and hella_data is not None:  # the plain module: works the same with compile and DDP
+    if do_eval and hella_data is not None:  # the plain module, its own compiled graph: the same under DDP
         phase = 'HellaSwag'
         from hellaswag import evaluate as evaluate_hellaswag  # imported by the runs that score it (run)
-        batch = memory.examples_per_batch(B, T)
-        counts = evaluate_hellaswag(raw_model, hella_data, device, dtype, rank, world, batch)
-        counts = torch.tensor(counts, device=device)
+        counts = evaluate_hellaswag(raw_model, hella_data, dtype, compile)  # (examples, acc, acc_norm)
         if world > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # each rank scored its share of the examples
-        n, correct, correct_norm = counts.tolist()
+        n, correct, correct_norm = counts.tolist()  # the one host read of the eval
         if rank == 0:
             print(f"step {step:5d} | hellaswag acc_norm {correct_norm}/{n} = {correct_norm / n:.4f} "
                   f"(acc {correct / n:.4f})")
@@ -290,7 +287,7 @@ def main(argv=None):
         if dist.is_initialized() and not master:
             error = ''  # rank 0 says it; a rank says its own only before the ranks can agree
     except RuntimeError as e:  # a collective that gave up waiting (a rank stuck or gone), or out of memory
-        error = gave_up(e, rank, collective_timeout, phase) or memory.out_of_memory(e, B, phase)
+        error = gave_up(e, rank, phase) or memory.out_of_memory(e, B, phase)
         if error is None:
             raise
     finally:
@@ -346,7 +343,8 @@ def run():
     hella_data = None
     if hellaswag and eval_interval > 0:  # imported only by the runs that score it: --help answers sooner
         from hellaswag import load_for_training
-        hella_data = load_for_training(hellaswag_file, raw_model)
+        batch = memory.examples_per_batch(B, T)  # made once, on the device; compiled, of one shape
+        hella_data = load_for_training(hellaswag_file, raw_model, batch, device, compile)
     if master:  # every check passed: the run starts
         print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
         print(f"world_size={world} device={device} grad_accum_steps={grad_accum_steps}")
@@ -370,8 +368,13 @@ def build_model(ckpt, ckpt_path):
     elif init_from == 'scratch':
         model = GPT(GPTConfig.from_dict(config))
     else:
+        first = int(os.environ.get('LOCAL_RANK', 0)) == 0  # downloads into this node's HF cache first
         try:
-            model = GPT.from_pretrained(init_from)
+            if first:
+                model = GPT.from_pretrained(init_from)
+            wait_for_all()  # however long the download takes; then the others read the cache
+            if not first:
+                model = GPT.from_pretrained(init_from)
         except (ValueError, OSError) as e:  # not a GPT-2, a missing folder, no download
             raise UserError(f"init_from={init_from!r}: {e}") from None
         if rank == 0:
@@ -429,6 +432,8 @@ def train(state, val_data, hella_data, grad_accum_steps):
         loss, norm, ok, overflow = train_step(state, grad_accum_steps, lr, grad_clip, device, dtype)
         loss = loss.item()  # waits for the step to finish: dt is its real time
         dt = time.time() - t0
+        if step == start:  # every rank's first graphs are compiled: from here a stuck rank ends the run soon
+            hold_to(collective_timeout)
         state.step, state.evaluated = step + 1, False
         if ok:
             state.bad_steps = 0

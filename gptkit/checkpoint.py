@@ -10,6 +10,7 @@ the optimizer, the global data position, torch's RNG states, whether the step's 
 count of bad steps in a row and a checksum of its tensors. Rank 0 writes it; every rank reads it.
 What it holds travels through the trainer as one bundle, TrainState (`state` here).
 """
+import copy
 import glob
 import os
 import pickle
@@ -81,23 +82,26 @@ def listen_for_stop_signals():
 # reading: the newest checkpoint that loads, checked before anything is built from it
 
 
-def tensor_checksum(t):
-    """The sum of t's bytes read as integers (int32 words, else bytes), as a 0-dim int64 tensor on
-    t's device: any changed bit changes it (wrapping around is alike everywhere)."""
-    t = t.detach().contiguous().view(-1)
-    return t.view(torch.int32 if t.element_size() == 4 else torch.uint8).sum(dtype=torch.int64)
+def tensors(obj):
+    """Every tensor in obj, through nested dicts, lists and tuples."""
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors(v)]
+    return [obj] if torch.is_tensor(obj) else []
 
 
 def checksum(obj):
-    """The sum of every tensor in obj (nested) read as integers: a byte of a checkpoint flipped or
-    zeroed on disk changes it (torch.load checks no CRC: such a file loads without complaint)."""
-    if torch.is_tensor(obj):
-        return tensor_checksum(obj).item()
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if not isinstance(obj, (list, tuple)):
-        return 0  # a number, a string: not a tensor's bytes
-    return sum(map(checksum, obj)) % 2 ** 62
+    """The sum of every tensor in obj (nested), its bytes read as integers (int32 words, else bytes).
+    A byte of a checkpoint flipped or zeroed on disk changes it; torch.load checks no CRC, so such a
+    file loads without complaint. Each tensor is summed on its own device, in int64 (which wraps
+    around alike everywhere), and each device is read once: a GPU is waited for once, not per tensor."""
+    sums = {}
+    for t in tensors(obj):
+        t = t.detach().contiguous().view(-1)
+        t = t.view(torch.int32 if t.element_size() == 4 else torch.uint8)
+        sums.setdefault(t.device, []).append(t.sum(dtype=torch.int64))
+    return sum(sum(torch.stack(s).tolist()) for s in sums.values()) % 2 ** 62
 
 
 def list_checkpoints(log_dir):
@@ -257,7 +261,7 @@ def check_replicas(model, step):
     names the ranks that differ. Under FSDP the ranks hold different shards: nothing to compare."""
     if parallel.is_sharded(model):
         return
-    sums = parallel.gather_objects(sum(tensor_checksum(p) for p in model.parameters()).item())
+    sums = parallel.gather_objects(checksum(list(model.parameters())))
     differ = [str(r) for r, s in enumerate(sums) if s != sums[0]]
     if differ:
         ranks = f"rank{'s' * (len(differ) > 1)} {', '.join(differ)}"
@@ -265,6 +269,22 @@ def check_replicas(model, step):
                         f"equal only while every rank computes the same bits (the same GPU model, driver and "
                         f"library versions); no checkpoint of step {step} was written: resume from the last "
                         f"one on matching hardware")
+
+
+def to_host(obj):
+    """A copy of obj with its tensors on the host. Each storage is copied once, keyed as torch.save
+    keys it, so the tied wte/lm_head weight stays one storage under two keys. From a GPU the copies go
+    into pinned memory without waiting; they are done once the host next reads the device, as its
+    stream runs in order. deepcopy, given the host tensors as its memo, copies the rest as it was:
+    what is shared stays shared, and a state dict keeps its metadata."""
+    copies, memo = {}, {}
+    for t in tensors(obj):
+        s = t.untyped_storage()
+        if s._cdata not in copies:
+            copies[s._cdata] = s.to(device='cpu', non_blocking=True)  # a CPU storage is returned as it is
+        view = t.storage_offset(), t.shape, t.stride()
+        memo[id(t)] = torch.empty(0, dtype=t.dtype).set_(copies[s._cdata], *view)
+    return copy.deepcopy(obj, memo)
 
 
 def save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints):
@@ -275,7 +295,10 @@ def save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints):
     check_replicas(state.raw_model, state.step)  # a diverged state is never saved
     ckpt = checkpoint_state(state, val_loss, config)  # a collective under FSDP: every rank takes part
     if ckpt is not None:
-        ckpt['checksum'] = checksum(ckpt)
+        # The tensors all start for the host at once, where torch.save would wait for each in turn. The
+        # checksum is summed on the device after those copies, so its one read waits for them too.
+        host = to_host(ckpt)
+        host['checksum'] = checksum(ckpt)
         path = os.path.join(log_dir, f"model_{state.step:05d}.pt")
         for name in ('log.txt', 'samples.txt'):  # the lines the checkpoint vouches for reach the disk first
             log_file = os.path.join(log_dir, name)
@@ -283,7 +306,7 @@ def save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints):
                 with open(log_file, 'a') as f:
                     os.fsync(f.fileno())
         try:  # temporary file, fsync, rename: a checkpoint is whole or absent
-            atomic_write(path, lambda f: torch.save(ckpt, f))
+            atomic_write(path, lambda f: torch.save(host, f))
         except (OSError, RuntimeError) as e:
             # A write that fails (no space, a quota) makes torch.save raise 'unexpected pos', a RuntimeError
             # whose context is the OSError that says why: that is the line to show.

@@ -105,9 +105,9 @@ def onednn_linear(x, weight, bias=None):
 
 def onednn_applies(weight):
     """Whether a float32 matmul with weight can go through oneDNN: on a CPU, in float32, outside
-    autocast (which would make it bf16)."""
+    autocast (which would make it bf16) and outside torch.compile (which cannot trace it)."""
     return (ONEDNN_LINEAR and weight.is_cpu and weight.dtype == torch.float32
-            and not torch.is_autocast_enabled('cpu'))
+            and not torch.is_autocast_enabled('cpu') and not torch.compiler.is_compiling())
 
 
 @contextlib.contextmanager
@@ -133,19 +133,13 @@ def blocks_through_onednn(model):
                 layer.forward = forward
 
 
-def token_losses(h, weight, at, targets):
-    """-log p(targets[i]) from the output layer (weight, no bias) applied to h[at[i]], in float32.
-    In float32 the matmul goes through oneDNN (faster than MKL, torch's default). The logits go
-    1024 words of the vocabulary at a time, each (N, 1024) block in cache from the matmul through
-    its log-sum-exp, never all N x vocab of them in memory; a target's logit is picked from its
-    block."""
+def token_losses(h, weight, targets):
+    """-log p(targets[i]) from the output layer (weight, no bias) applied to h[i], in float32. In
+    float32 the matmul goes through oneDNN (faster than MKL, torch's default). The logits go 1024
+    words of the vocabulary at a time, each (N, 1024) block in cache from the matmul through its
+    log-sum-exp, never all N x vocab of them in memory; a target's logit is its row of weight
+    times h."""
     linear = onednn_linear if onednn_applies(weight) else F.linear
-    V = weight.size(0)
-    lse = torch.empty(len(h), (V + 1023) // 1024)
-    picked = torch.empty(len(targets))
-    for c, v in enumerate(range(0, V, 1024)):
-        logits = linear(h, weight[v:v + 1024]).float()  # no copy in float32
-        lse[:, c] = torch.logsumexp(logits, dim=1)
-        here = (targets >= v) & (targets < v + 1024)
-        picked[here] = logits[at[here], targets[here] - v]
-    return torch.logsumexp(lse, dim=1)[at] - picked
+    lse = torch.stack([torch.logsumexp(linear(h, weight[v:v + 1024]).float(), dim=1)
+                       for v in range(0, weight.size(0), 1024)], dim=1)  # (N, blocks)
+    return torch.logsumexp(lse, dim=1) - (h.float() * weight[targets].float()).sum(1)

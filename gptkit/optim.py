@@ -21,13 +21,19 @@ The Muon update is torch.optim.Muon's, bit for bit (a test holds them together),
 that a step the trainer skips changes nothing without the host waiting: like fused AdamW, it reads
 found_inf, a 0-dim tensor on the device set by the trainer before step() (1.0: skip), and writes
 each matrix and momentum buffer back only where it is 0. Its Newton-Schulz iteration runs in bf16:
-on a CPU without bf16 units it is emulated, and its cost shows in the step time. Muon needs whole
-matrices: under FSDP a rank holds shards, so gptkit/configurator.py refuses optimizer="muon" with
-parallel="fsdp".
+on a CPU without bf16 units it is emulated, and its cost shows in the step time. Under DDP the
+ranks share that work: each steps every momentum buffer (a checkpoint holds them all, and resumes
+on any number of processes) but orthogonalizes only every world_size-th matrix, and one all-reduce
+in bf16 sums the updates, each one rank's and zeros on the others (as modded-nanogpt's first
+distributed Muon did): every rank applies the same bits. Muon needs whole matrices: under FSDP a
+rank holds shards, so gptkit/configurator.py refuses optimizer="muon" with parallel="fsdp".
 """
 import math
 
 import torch
+import torch.distributed as dist
+
+from gptkit import parallel
 
 # the choices of the trainer's constants lr_schedule, decay_shape and optimizer
 SCHEDULES = ('cosine', 'wsd')
@@ -97,26 +103,36 @@ class MuonAdamW(torch.optim.Optimizer):
         del self.adamw.found_inf
         device = self.muon.param_groups[0]['params'][0].device
         keep = torch.ones((), dtype=torch.bool, device=device) if found_inf is None else found_inf == 0
-        for group in self.muon.param_groups:
-            for p in group['params']:
-                if p.grad is not None:
-                    self._muon_update(p, group, keep)
+        rank, world = parallel.rank(), parallel.world_size()
+        todo = [(p, group) for group in self.muon.param_groups for p in group['params'] if p.grad is not None]
+        sizes = [p.numel() for p, _ in todo]
+        flat = torch.zeros(sum(sizes), dtype=torch.bfloat16, device=device)
+        updates = flat.split(sizes)
+        for i, (p, group) in enumerate(todo):
+            update = self._momentum(p, group, keep)  # every rank keeps every buffer: checkpoints as before
+            if i % world == rank:  # this rank's share: every world_size-th matrix, from its rank on
+                update = orthogonalize(update, group['ns_coefficients'], group['ns_steps'], group['eps'])
+                updates[i].copy_(update.flatten())
+        if world > 1:  # each update is one rank's, zeros elsewhere: the sum is it, bit for bit, on every rank
+            dist.all_reduce(flat)
+        for (p, group), update in zip(todo, updates):
+            rows, cols = p.shape[:2]  # how torch.optim.Muon scales lr for a matrix of this shape:
+            if group['adjust_lr_fn'] == 'match_rms_adamw':  # the update's RMS as AdamW's, so lr carries over
+                lr_ratio = 0.2 * math.sqrt(max(rows, cols))
+            else:
+                lr_ratio = math.sqrt(max(1, rows / cols))
+            new_p = p.mul(1 - group['lr'] * group['weight_decay'])
+            new_p.add_(update.view_as(p), alpha=-group['lr'] * lr_ratio)
+            torch.where(keep, new_p, p, out=p)  # skipped: the old values, bit for bit, on the device
 
-    def _muon_update(self, p, group, keep):
-        """torch.optim.Muon's update of the matrix p, written back only where keep (a 0-dim bool) is True."""
+    def _momentum(self, p, group, keep):
+        """torch.optim.Muon's momentum step for the matrix p (its buffer written back only where keep,
+        a 0-dim bool, is True), and the update that Muon orthogonalizes."""
         state = self.state[p]
         if 'momentum_buffer' not in state:
             state['momentum_buffer'] = torch.zeros_like(p)
-        buf, grad, lr, momentum = state['momentum_buffer'], p.grad, group['lr'], group['momentum']
+        buf, grad, momentum = state['momentum_buffer'], p.grad, group['momentum']
         new_buf = buf.lerp(grad, 1 - momentum)
         update = grad.lerp(new_buf, momentum) if group['nesterov'] else new_buf
-        update = orthogonalize(update, group['ns_coefficients'], group['ns_steps'], group['eps'])
-        rows, cols = p.shape[:2]  # how torch.optim.Muon scales lr for a matrix of this shape:
-        if group['adjust_lr_fn'] == 'match_rms_adamw':  # the update's RMS as AdamW's, so lr carries over
-            lr_ratio = 0.2 * math.sqrt(max(rows, cols))
-        else:
-            lr_ratio = math.sqrt(max(1, rows / cols))
-        new_p = p.mul(1 - lr * group['weight_decay'])
-        new_p.add_(update, alpha=-lr * lr_ratio)
-        torch.where(keep, new_buf, buf, out=buf)  # skipped: the old values, bit for bit, on the device
-        torch.where(keep, new_p, p, out=p)
+        torch.where(keep, new_buf, buf, out=buf)  # skipped: the old buffer, bit for bit
+        return update

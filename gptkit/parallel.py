@@ -6,11 +6,12 @@ checkpoints, and what each rank holds. train_gpt2.py starts the process group (f
 RANK, LOCAL_RANK, WORLD_SIZE) and all-reduces its losses and HellaSwag counts in the open; every
 other collective of the trainer is here. docs/ddp.md and docs/fsdp.md tell the whole story.
 
-How long a rank waits: every collective of the process group gives up after collective_timeout
-(train_gpt2.py), so a stuck rank (an NFS stall, a GPU fault) ends the run in minutes. Where ranks
-work apart for as long as it takes (rank 0 writing a checkpoint or downloading HellaSwag, every
-rank reading a checkpoint), they meet first in wait_for_all, a barrier of a second (gloo) group
-that waits without a practical limit; the collective after it then waits only for ordinary work.
+How long a rank waits (docs/ddp.md, 10): every collective of the process group gives up after
+collective_timeout (train_gpt2.py) once the first training step is done, so a stuck rank (an NFS
+stall, a GPU fault) ends the run in minutes; before that, after FIRST_STEP_TIMEOUT, as each rank
+compiles its first graphs at its own pace. Where ranks work apart (rank 0 writing a checkpoint or
+downloading, every rank reading a checkpoint), they meet first in wait_for_all, through the process
+group's store, for up to WAIT_FOR_ALL_TIMEOUT; the collective after it then waits for ordinary work.
 
 parallel="fsdp" is PyTorch's FSDP2 (fully_shard), for models whose weights, gradients and AdamW
 state do not fit on every GPU whole, as DDP keeps them (docs/ddp.md, 12). Each transformer block,
@@ -64,33 +65,57 @@ def restart_store():
     return None
 
 
-# wait_for_all: "as long as it takes"; a rank that dies ends the run through torchrun
-PATIENCE = timedelta(days=7)
-_patient_group = None  # the gloo group of wait_for_all
+# Hours that no healthy first compile (FIRST_STEP_TIMEOUT) or work apart (WAIT_FOR_ALL_TIMEOUT: a
+# checkpoint write, a download) takes, and a hang does: the run then ends, and a requeue can restart it.
+FIRST_STEP_TIMEOUT = 3600  # seconds every collective waits until the first training step is done
+WAIT_FOR_ALL_TIMEOUT = 2 * 3600  # seconds wait_for_all waits
+waiting = 'FIRST_STEP_TIMEOUT'  # the limit a collective waits under now, as the error line names it
+_waits = 0  # wait_for_all's calls so far: each one meets on keys of its own
 
 
-def start_patient_group():
-    """After init_process_group, on every rank: the gloo group whose barrier wait_for_all is."""
-    global _patient_group
-    _patient_group = dist.new_group(backend='gloo', timeout=PATIENCE)
+def first_step_timeout(collective_timeout):
+    """The process group's timeout from init_process_group to the end of the first training step."""
+    global waiting
+    seconds = max(collective_timeout, FIRST_STEP_TIMEOUT)
+    waiting = f'FIRST_STEP_TIMEOUT={seconds}'
+    return timedelta(seconds=seconds)
+
+
+def hold_to(collective_timeout):
+    """On every rank, once the first training step is done: from here every collective gives up after
+    collective_timeout. The ranks meet first, under the longer timeout, so that none waits under the
+    shorter one for a rank still in its first step."""
+    global waiting
+    if dist.is_initialized():
+        dist.barrier()
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=collective_timeout))
+    waiting = f'collective_timeout={collective_timeout}'
 
 
 def wait_for_all():
-    """A barrier with no practical time limit, after a phase where ranks work apart for as long as
-    it takes (rank 0 writing a checkpoint, downloading, every rank reading a checkpoint): the
-    collective that follows it then waits under collective_timeout for ordinary work only."""
-    if world_size() > 1:
-        dist.barrier(group=_patient_group)
+    """A barrier after a phase where ranks work apart (rank 0 writing a checkpoint, downloading, every
+    rank reading a checkpoint), for up to WAIT_FOR_ALL_TIMEOUT, however short collective_timeout is.
+    It meets in the process group's store, which every rank reaches already (no second transport)."""
+    global _waits
+    if world_size() == 1:
+        return
+    _waits += 1
+    key, store = f'wait_for_all/{_waits}', dist.distributed_c10d._get_default_store()
+    if store.add(key, 1) == world_size():  # the last rank to come lets them all go
+        store.set(f'{key}/all', '')
+    store.wait([f'{key}/all'], timedelta(seconds=WAIT_FOR_ALL_TIMEOUT))
 
 
-def gave_up(error, rank, timeout, phase):
-    """The one line for error when it is a collective that gave up waiting for the other ranks
-    (timeout seconds) while the run was in phase (the trainer names it); else None."""
+def gave_up(error, rank, phase):
+    """The one line for error when it is a wait for the other ranks that gave up (a collective, or
+    wait_for_all in the store) while the run was in phase (the trainer names it); else None."""
     if not (dist.is_initialized() and re.search(r'[Tt]imed? ?out', str(error))):
         return None
-    return (f"error: rank {rank} waited more than collective_timeout={timeout} s for the other ranks in "
-            f"{phase}: one of them is stuck or gone; the last checkpoint stands: run the same command again "
-            f"to resume")
+    limit = waiting
+    if isinstance(error, dist.DistStoreError):  # wait_for_all's
+        limit = f'WAIT_FOR_ALL_TIMEOUT={WAIT_FOR_ALL_TIMEOUT}'
+    return (f"error: rank {rank} waited more than {limit} s for the other ranks in {phase}: one of them is "
+            f"stuck or gone; the last checkpoint stands: run the same command again to resume")
 
 
 def end_process_group(finished):

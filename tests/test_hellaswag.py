@@ -1,6 +1,7 @@
 import http.server
 import json
 import os
+import re
 import threading
 
 import numpy as np
@@ -68,33 +69,47 @@ def test_render_example_as_build_nanogpt(enc):
     assert mask[0].tolist() == [0] * len(ctx) + [1] * len(down) + [0] * pad
 
 
+def losses_of(model, examples, batch_examples=32, one_shape=False, dtype="float32", rank=0, world=1):
+    """hellaswag.py's (sum, mean) loss of every ending and its counts, the endings sorted by their sum
+    (prepare orders the examples its own way)."""
+    rendered = [hellaswag.render_example(e) for e in examples]
+    prepared = hellaswag.prepare(rendered, model.config.block_size, "cpu", batch_examples, rank, world,
+                                 one_shape)
+    sums, means = hellaswag.ending_losses(model, prepared, dtype)
+    order = sums.argsort()
+    return sums[order], means[order], hellaswag.evaluate(model, prepared, dtype).tolist()
+
+
+def brute_forced(hf, examples):
+    """brute_force's (sum, mean) loss of every ending, sorted by sum, and the counts it gives."""
+    ref = [brute_force(hf, e) for e in examples]
+    sums, means = torch.cat([s for s, _ in ref]), torch.cat([m for _, m in ref])
+    counts = [len(examples), sum(int(s.argmin() == e["label"]) for (s, _), e in zip(ref, examples)),
+              sum(int(m.argmin() == e["label"]) for (_, m), e in zip(ref, examples))]
+    order = sums.argsort()
+    return sums[order], means[order], counts
+
+
 def test_batched_equals_one_at_a_time_equals_hf(hf_and_ours):
+    """Every ending's loss and the counts, batched any way, with one shape (the compiled eval's
+    padding) or not, equal build-nanogpt's scoring with HF's model, one example at a time."""
     hf, ours = hf_and_ours
     examples = make_examples(40)
-    rendered = [hellaswag.render_example(e) for e in examples]
-    sums, avgs = hellaswag.ending_losses(ours, rendered, "cpu")  # all 40 in one forward
-    for i, e in enumerate(examples):
-        ref_sum, ref_avg = brute_force(hf, e)
-        one_sum, one_avg = hellaswag.ending_losses(ours, [rendered[i]], "cpu")
-        for s, a in ((sums[4 * i:4 * i + 4], avgs[4 * i:4 * i + 4]), (one_sum, one_avg)):
-            assert torch.allclose(s, ref_sum, atol=1e-4) and torch.allclose(a, ref_avg, atol=1e-5)
-            assert s.argmin() == ref_sum.argmin() and a.argmin() == ref_avg.argmin()
-    counts = [hellaswag.evaluate(ours, rendered, "cpu", batch_examples=b) for b in (1, 7, 40)]
-    assert counts[0] == counts[1] == counts[2]
-    ref = [brute_force(hf, e) for e in examples]
-    assert counts[0] == (40, sum(int(r[0].argmin() == e["label"]) for r, e in zip(ref, examples)),
-                         sum(int(r[1].argmin() == e["label"]) for r, e in zip(ref, examples)))
-    # ranks take i % world: the parts add up to the whole
-    parts = [hellaswag.evaluate(ours, rendered, "cpu", rank=r, world=3) for r in range(3)]
-    assert tuple(map(sum, zip(*parts))) == counts[0]
+    ref_sums, ref_means, ref_counts = brute_forced(hf, examples)
+    for batch, one_shape in ((1, False), (7, False), (40, False), (7, True)):
+        sums, means, counts = losses_of(ours, examples, batch, one_shape)
+        assert torch.allclose(sums, ref_sums, atol=1e-4) and torch.allclose(means, ref_means, atol=1e-5)
+        assert counts == ref_counts, (batch, one_shape)
+    # ranks deal the examples in turn: the parts add up to the whole
+    parts = [losses_of(ours, examples, 7, False, rank=r, world=3)[2] for r in range(3)]
+    assert [sum(c) for c in zip(*parts)] == ref_counts
 
 
 def test_shared_contexts_of_any_length(hf_and_ours, enc):
-    """The context cache's corner cases against brute force: two examples with the same context
-    (one cache for both), an empty context (the ending's first token is not scored, as in
-    build-nanogpt), one-token endings (scored from the context's last position alone), endings
-    that share their first words, contexts of very different lengths in one batch, and any
-    batch size."""
+    """The shared context's corner cases against brute force: two examples with the same context,
+    an empty context (the ending's first token is not scored, as in build-nanogpt), one-token
+    endings (scored from the context's last position alone), endings that share their first words,
+    contexts of very different lengths in one batch, and any batch size."""
     hf, ours = hf_and_ours
     assert len(enc.encode(" a")) == 1
     long_ctx = " ".join(WORDS * 2)
@@ -103,20 +118,17 @@ def test_shared_contexts_of_any_length(hf_and_ours, enc):
                 dict(ctx="", label=2, endings=["a man walks", "the dog holds", "then up", "a ball kitchen"]),
                 dict(ctx=long_ctx, label=3, endings=["a", "to walk the dog", "a ball", "holds a camera up"]),
                 dict(ctx="the woman then", label=0, endings=["walks", "a dog", "smiles", "is seen up"])]
-    rendered = [hellaswag.render_example(e) for e in examples]
-    ref = [brute_force(hf, e) for e in examples]
+    ref_sums, ref_means, ref_counts = brute_forced(hf, examples)
     for batch in (1, 2, 16):
-        sums, avgs = hellaswag.ending_losses(ours, rendered, "cpu", batch_examples=batch)
-        for i, (ref_sum, ref_avg) in enumerate(ref):
-            assert torch.allclose(sums[4 * i:4 * i + 4], ref_sum, atol=1e-4), (batch, i)
-            assert torch.allclose(avgs[4 * i:4 * i + 4], ref_avg, atol=1e-5), (batch, i)
+        sums, means, counts = losses_of(ours, examples, batch)
+        assert torch.allclose(sums, ref_sums, atol=1e-4) and torch.allclose(means, ref_means, atol=1e-5)
+        assert counts == ref_counts, batch
 
 
 def test_bf16_forward_float32_loss(hf_and_ours):
     _, ours = hf_and_ours
-    rendered = [hellaswag.render_example(e) for e in make_examples(8, seed=1)]
-    s32, _ = hellaswag.ending_losses(ours, rendered, "cpu", "float32")
-    s16, _ = hellaswag.ending_losses(ours, rendered, "cpu", "bfloat16")
+    s32, _, _ = losses_of(ours, make_examples(8, seed=1))
+    s16, _, _ = losses_of(ours, make_examples(8, seed=1), dtype="bfloat16")
     assert s16.dtype == torch.float32 and torch.allclose(s16, s32, rtol=0.05)
 
 
@@ -126,18 +138,34 @@ def test_long_examples_lose_context_from_the_left(hf_and_ours, capsys):
     e["ctx"] = " ".join(["kitchen"] * 100)
     tokens, mask, label = hellaswag.render_example(e)
     assert tokens.size(1) > 64
-    n, _, _ = hellaswag.evaluate(ours, [(tokens, mask, label)], "cpu")
+    s, _, (n, _, _) = losses_of(ours, [e])
     assert n == 1
     said = "1 examples are longer than block_size=64: their contexts lose tokens from the left"
     assert said in capsys.readouterr().out
-    s, _ = hellaswag.ending_losses(ours, [(tokens, mask, label)], "cpu")
-    keep = [(t[m.nonzero()[-1] + 1 - 64:m.nonzero()[-1] + 1]) for t, m in zip(tokens, mask)]
+    want = []
     with torch.no_grad():  # the same as scoring the last 64 tokens of each row
-        for i, row in enumerate(keep):
+        for t, m in zip(tokens, mask):
+            end = int(m.nonzero()[-1]) + 1
+            row, n_end = t[end - 64:end], int(m.sum())
             logits, _ = ours(row[None])
-            n_end = int(mask[i].sum())
-            ref = F.cross_entropy(logits[0, -n_end - 1:-1], row[-n_end:], reduction="sum")
-            assert abs(ref.item() - s[i].item()) < 1e-4
+            want.append(F.cross_entropy(logits[0, -n_end - 1:-1], row[-n_end:], reduction="sum"))
+    assert torch.allclose(s, torch.stack(want).sort().values, atol=1e-4)
+
+
+def test_the_compiled_eval_counts_as_the_eager_one(hf_and_ours):
+    """With one shape the eval compiles to one graph (no recompile over its batches, the last one
+    padded) and counts what the eager eval counts."""
+    import torch._dynamo
+    _, ours = hf_and_ours
+    rendered = [hellaswag.render_example(e) for e in make_examples(23, seed=2)]
+    eager = hellaswag.evaluate(ours, hellaswag.prepare(rendered, 64, "cpu", 5))
+    torch._dynamo.reset()
+    hellaswag.compiled_batch_losses.cache_clear()
+    prepared = hellaswag.prepare(rendered, 64, "cpu", 5, one_shape=True)
+    assert len({(tuple(x.shape), tuple(at.shape)) for _, [(_, x, at)], _, _ in prepared[0]}) == 1
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = hellaswag.evaluate(ours, prepared, compile=True)
+    assert compiled.tolist() == eager.tolist()
 
 
 def test_bad_lines_name_file_and_line(tmp_path):
@@ -212,7 +240,7 @@ def test_standalone_cli(tmp_path, hf_and_ours):
     examples = make_examples(20, seed=7)
     write_file(tmp_path / "h.jsonl", examples)
     hf.save_pretrained(tmp_path / "hfdir")
-    n, c, cn = hellaswag.evaluate(ours, [hellaswag.render_example(e) for e in examples[:15]], "cpu")
+    _, _, (n, c, cn) = losses_of(ours, examples[:15])
     want = f"acc: {c / n:.4f} acc_norm: {cn / n:.4f}"
     torch.save({"model": ours.state_dict(), "config": ours.config.__dict__}, tmp_path / "model_00001.pt")
     def run(*args):
@@ -245,18 +273,19 @@ def test_synthetic_examples_are_what_write_synthetic_writes(tmp_path):
 
 
 def test_load_for_training_in_one_process(tmp_path, hf_and_ours, capsys):
-    """The rendered examples of the file; else None and one warning that says why."""
+    """The examples of the file, prepared; else None and one warning that says why."""
     _, ours = hf_and_ours
     write_file(tmp_path / "h.jsonl", make_examples(3))
-    got = hellaswag.load_for_training(str(tmp_path / "h.jsonl"), ours)
-    want = [hellaswag.render_example(e) for e in make_examples(3)]
-    assert [(t.tolist(), m.tolist(), label) for t, m, label in got] == \
-        [(t.tolist(), m.tolist(), label) for t, m, label in want]
-    assert hellaswag.load_for_training(str(tmp_path / "missing.jsonl"), ours) is None
+    got = hellaswag.load_for_training(str(tmp_path / "h.jsonl"), ours, 2, "cpu")
+    want = hellaswag.prepare([hellaswag.render_example(e) for e in make_examples(3)], 64, "cpu", 2)
+    assert hellaswag.evaluate(ours, got).tolist() == hellaswag.evaluate(ours, want).tolist()
+    flat = lambda prepared: [t.tolist() for t in torch.utils._pytree.tree_leaves(prepared)]
+    assert flat(got) == flat(want)
+    assert hellaswag.load_for_training(str(tmp_path / "missing.jsonl"), ours, 2, "cpu") is None
     assert capsys.readouterr().out == (f"warning: no HellaSwag eval: {tmp_path / 'missing.jsonl'} not found; "
                                        f"training goes on without it\n")
     small = GPT(GPTConfig(block_size=16, vocab_size=300, n_layer=1, n_head=1, n_embd=8))
-    assert hellaswag.load_for_training(str(tmp_path / "h.jsonl"), small) is None
+    assert hellaswag.load_for_training(str(tmp_path / "h.jsonl"), small, 2, "cpu") is None
     assert capsys.readouterr().out == ("warning: no HellaSwag eval: vocab_size=300 is smaller than GPT-2's "
                                        "50257; training goes on without it\n")
 
@@ -278,3 +307,56 @@ def test_onednn_routing_is_undone_on_the_way_out():
             assert all(torch.allclose(layer(x), w, atol=1e-6) for layer, x, w in zip(layers, xs, want))
             raise RuntimeError("inside")
     assert not any("forward" in m.__dict__ for m in layers)
+
+
+
+EVAL_PROBE = """
+import sys, torch, hellaswag, train_gpt2
+from torch.overrides import TorchFunctionMode
+T = torch.Tensor
+READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.cpu, T.numpy}
+DATA_SIZED = {torch.nonzero, T.nonzero, torch.argwhere, T.argwhere, torch.unique, T.unique,
+              torch.unique_consecutive, torch.masked_select, T.masked_select}
+class Count(TorchFunctionMode):  # host reads, and ops whose output's size depends on the data
+    seen = []
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        index = args[1] if func in (T.__getitem__, T.__setitem__) else ()
+        by_mask = any(torch.is_tensor(i) and i.dtype == torch.bool
+                      for i in (index if isinstance(index, tuple) else (index,)))
+        if func in READS or func in DATA_SIZED or by_mask:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+mode, evaluate, step = Count(), hellaswag.evaluate, train_gpt2.train_step
+def counting(*a, **k):  # from the eval's first forward...
+    mode.__enter__()
+    return evaluate(*a, **k)
+def stop(*a, **k):  # ...to the next training step
+    mode.__exit__(None, None, None)
+    print(f"from HellaSwag to the next step: {Count.seen}", flush=True)
+    train_gpt2.train_step = step
+    return step(*a, **k)
+hellaswag.evaluate, train_gpt2.train_step = counting, stop
+train_gpt2.main(sys.argv[1:])
+"""
+
+
+def test_the_trainers_hellaswag_eval_reads_the_host_once_whatever_its_size(tmp_path):
+    """Issue 36.1: from the HellaSwag eval's first forward to the next training step, the host reads
+    as many values, and runs as many ops whose output's size depends on the data, with 16 examples
+    as with 64, one example a batch: the counts are read once, after the all-reduce."""
+    import sys
+    from conftest import ROOT, TINY, random_shards
+    data = random_shards(tmp_path / "data", 7, 600, [2000, 2000])
+    seen = {}
+    for n in (16, 64):
+        hella = tmp_path / f"{n}.jsonl"
+        write_file(hella, make_examples(n))
+        args = [*TINY, f"--data_root={data}", f"--log_dir={tmp_path / str(n)}", "--B=2", "--T=32",
+                "--total_batch_size=64", "--max_steps=1", "--eval_interval=1", "--val_tokens=128",
+                "--sample_interval=0", "--checkpoint_interval=0", f"--hellaswag_file={hella}"]
+        r = forked.run([sys.executable, "-c", EVAL_PROBE, *args], cwd=ROOT, capture_output=True, text=True,
+                       env=one_thread())
+        assert r.returncode == 0, r.stderr
+        assert "hellaswag acc_norm " in r.stdout and f"/{n} = " in r.stdout, r.stdout
+        seen[n] = re.search(r"from HellaSwag to the next step: (.*)", r.stdout).group(1)
+    assert seen[16] == seen[64] == "['tolist']", seen  # the counts, after the all-reduce

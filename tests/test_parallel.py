@@ -195,21 +195,77 @@ def test_the_tied_weight_is_gathered_and_saved_once(ddp2, fsdp2):
         assert wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr(), log_dir
 
 
-def test_the_process_group_waits_collective_timeout_and_rank_0s_work_alone_longer(monkeypatch):
-    """Issue 27.5 (was 21.12): every collective of the group gives up after collective_timeout
-    seconds; the barrier after rank 0's long work alone (parallel.wait_for_all) is a gloo group
-    of its own that waits a week. test_step.py runs both on real processes."""
+def test_the_process_group_waits_for_the_first_step_longer_then_collective_timeout(monkeypatch):
+    """Issue 36.4 (was 27.5, 21.12): the process group's collectives wait up to
+    parallel.FIRST_STEP_TIMEOUT (at least collective_timeout) until the first training step is done,
+    as ranks compile at their own pace; then, once the ranks have met, collective_timeout. Each limit
+    is named in the one line of a rank that gave up, and so is wait_for_all's (issue 36.3), which
+    waits in the process group's store: no second process group. test_step.py runs them on real
+    processes."""
     from datetime import timedelta
     from gptkit import parallel
     import train_gpt2
-    seen, groups = {}, []
+    seen, calls = {}, []
+    monkeypatch.setattr(parallel, "waiting", parallel.waiting)  # what the limit is called now: restored after
     monkeypatch.setattr(train_gpt2.dist, "init_process_group", lambda **kw: seen.update(kw))
-    monkeypatch.setattr(parallel.dist, "new_group", lambda **kw: groups.append(kw))
+    monkeypatch.setattr(parallel.dist, "new_group", lambda **kw: calls.append(("new_group", kw)))
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
         monkeypatch.setenv(k, v)
     assert train_gpt2.setup_device("cpu", collective_timeout=42) == (0, 2, "cpu")
-    assert seen["backend"] == "gloo" and seen["timeout"] == timedelta(seconds=42)
-    assert groups == [{"backend": "gloo", "timeout": timedelta(days=7)}]
+    assert seen["backend"] == "gloo" and seen["timeout"] == timedelta(seconds=parallel.FIRST_STEP_TIMEOUT)
+    assert parallel.FIRST_STEP_TIMEOUT >= 3600 and parallel.WAIT_FOR_ALL_TIMEOUT >= 3600  # hours
+    train_gpt2.setup_device("cpu", collective_timeout=10 ** 5)
+    assert seen["timeout"] == timedelta(seconds=10 ** 5)
+    train_gpt2.setup_device("cpu", collective_timeout=42)
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
+    stuck = RuntimeError("Timed out waiting 42000ms for recv operation to complete")
+    line = "error: rank 0 waited more than {} s for the other ranks in the val loss: one of them is stuck"
+    assert parallel.gave_up(stuck, 0, "the val loss").startswith(
+        line.format(f"FIRST_STEP_TIMEOUT={parallel.FIRST_STEP_TIMEOUT}"))
+    monkeypatch.setattr(parallel.dist, "barrier", lambda: calls.append(("barrier",)))
+    monkeypatch.setattr(parallel.dist.distributed_c10d, "_set_pg_timeout", lambda t: calls.append(("set", t)))
+    parallel.hold_to(42)
+    assert calls == [("barrier",), ("set", timedelta(seconds=42))]  # no new group; the ranks met first
+    assert parallel.gave_up(stuck, 0, "the val loss").startswith(line.format("collective_timeout=42"))
+    alone = parallel.dist.DistStoreError("wait timeout after 7200000ms, keys: /default_pg/0//wait_for_all/3")
+    assert parallel.gave_up(alone, 0, "the val loss").startswith(
+        line.format(f"WAIT_FOR_ALL_TIMEOUT={parallel.WAIT_FOR_ALL_TIMEOUT}"))
+
+
+FAKE_HUB = """
+import os, sys, time, torch, transformers, train_gpt2
+def from_pretrained(name, *a, **k):  # the HF hub, offline: a download into the cache (one line), or a read
+    cached = os.path.join(os.environ['HF_CACHE'], name)
+    if not os.path.exists(cached):
+        with open(os.environ['DOWNLOADS'], 'a') as f:
+            f.write(f"rank {os.environ['RANK']}\\n")
+        time.sleep(3)  # the download's time: a rank that does not wait for it finds no cache either
+        open(cached, 'w').close()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=512)
+        return transformers.GPT2LMHeadModel(config)
+transformers.GPT2LMHeadModel.from_pretrained = from_pretrained
+train_gpt2.main(sys.argv[1:])
+"""
+
+
+def test_init_from_gpt2_is_downloaded_by_one_rank_the_others_read_it(data, tmp_path):
+    """Issue 36.5: init_from=gpt2 on 2 ranks of a node: LOCAL_RANK 0 downloads it into the node's
+    HF cache, the other waits (parallel.wait_for_all) and then reads it there, instead of every rank
+    downloading it at once before the first collective that needs them all. The run then trains."""
+    (tmp_path / "hub.py").write_text(FAKE_HUB)
+    (tmp_path / "cache").mkdir()
+    env = one_thread(PYTHONUNBUFFERED="1", PYTHONPATH=ROOT, HF_CACHE=str(tmp_path / "cache"),
+                     DOWNLOADS=str(tmp_path / "downloads"))
+    run_args = args(data, tmp_path / "log", "--init_from=gpt2", "--max_steps=2", "--eval_interval=0",
+                    "--checkpoint_interval=0")
+    r = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    str(tmp_path / "hub.py"), *run_args], cwd=ROOT, env=env, capture_output=True, text=True,
+                   timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "downloads").read_text().splitlines() == ["rank 0"]
+    assert sorted(read_log(tmp_path / "log")["train"]) == [0, 1]
 
 
 PROBE = """

@@ -2,6 +2,7 @@
 val bits per byte, and the default recipe left exactly as it was."""
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import forked
 from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
 from model import GPT, GPTConfig
 from gptkit.optim import get_lr
@@ -107,6 +109,30 @@ def test_muon_parameter_groups():
     assert isinstance(model.configure_optimizers(0.1, 1e-3, "cpu"), torch.optim.AdamW)  # the default
 
 
+def test_muon_steps_as_torch_muon_bit_for_bit():
+    """MuonAdamW's matrices take torch.optim.Muon's steps (the same settings and gradients), bit for
+    bit, momentum included over 3 steps; a step it is told to skip (found_inf 1) changes nothing."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16))
+    opt = model.configure_optimizers(0.1, 1e-3, "cpu", "muon", 3e-3, 0.9)
+    ours = [p for g in opt.muon.param_groups for p in g["params"]]
+    theirs, start = [p.detach().clone() for p in ours], [p.detach().clone() for p in ours]
+    ref = torch.optim.Muon(theirs, lr=3e-3, weight_decay=0.1, momentum=0.9, nesterov=True,
+                           adjust_lr_fn="match_rms_adamw")
+    for step in range(4):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        opt.found_inf = torch.tensor(float(step == 2))
+        opt.step()
+        if step != 2:  # skipped: torch's optimizer does not step, and ours must not have changed
+            ref.step()
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), step
+        assert all(torch.equal(opt.state[a]["momentum_buffer"], ref.state[b]["momentum_buffer"])
+                   for a, b in zip(ours, theirs)), step
+    assert not any(torch.equal(a, b) for a, b in zip(ours, start))  # every matrix moved
+
+
 def test_muon_killed_and_resumed_is_bit_identical(muon1, data, tmp_path):
     """kill -9 after the checkpoint at step 20, the same command again: the same log, weights,
     AdamW moments and Muon momentum buffers, bit for bit."""
@@ -128,7 +154,7 @@ def test_muon_killed_and_resumed_is_bit_identical(muon1, data, tmp_path):
 
 
 def test_muon_on_two_processes_logs_what_one_does(data, tmp_path):
-    """DDP, 2 processes: each rank runs Muon on the whole all-reduced gradients; the same losses as
+    """DDP, 2 processes: Muon on the all-reduced gradients, its work shared out; the same losses as
     1 process (to 1e-5). Its checkpoint then resumes on 1 process (elastic resume). The all-reduce
     sums in another order, and Muon's Newton-Schulz step rounds to bf16, which turns some of those
     last-bit differences into bf16 ones: a small lr (as test_train's DDP test takes for AdamW)
@@ -150,6 +176,56 @@ def test_muon_on_two_processes_logs_what_one_does(data, tmp_path):
     r = run_script(args(data, elastic, *muon))
     assert r.returncode == 0 and "resuming from" in r.stdout, r.stderr
     assert all(abs(one["train"][s] - read_log(elastic)["train"][s]) <= 1e-5 for s in range(20, STEPS))
+
+
+COUNT_MATMULS = """
+import os, sys, train_gpt2
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.ops import aten
+from gptkit.optim import MuonAdamW
+
+
+class Matmuls(TorchDispatchMode):  # the matrix products run inside optimizer.step(), counted
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        Matmuls.n += func.overloadpacket in (aten.mm, aten.addmm, aten.bmm, aten.matmul)
+        return func(*args, **(kwargs or {}))
+
+
+step = MuonAdamW.step
+def counted(self, *a, **k):
+    with Matmuls():
+        return step(self, *a, **k)
+MuonAdamW.step = counted
+train_gpt2.main(sys.argv[1:])
+print(f"rank {os.environ.get('RANK', 0)} matmuls in optimizer.step(): {Matmuls.n}")
+"""
+
+
+def test_muon_on_two_processes_splits_its_matmuls(data, tmp_path):
+    """DDP, 2 processes: each rank orthogonalizes its half of the 8 matrices and the ranks exchange
+    the updates (issue 36): inside optimizer.step() each rank runs half the matrix products that
+    one process runs, and yet the weights stay equal on both ranks (the replica check of the last
+    step's checkpoint passes) and the losses are one process's. Counted on the trainer itself,
+    each run's MuonAdamW.step under a TorchDispatchMode."""
+    (tmp_path / "count.py").write_text(COUNT_MATMULS)
+    run_args = [*MUON, "--max_steps=4", "--eval_interval=0", "--checkpoint_interval=0"]
+    counts, logs = {}, {}
+    for nproc in (None, 2):
+        log_dir = tmp_path / f"log{nproc}"
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if nproc else []
+        cmd = [sys.executable, *launcher, str(tmp_path / "count.py"), *args(data, log_dir, *run_args)]
+        r = forked.run(cmd, cwd=ROOT, env=one_thread(PYTHONPATH=ROOT), capture_output=True, text=True,
+                       timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        counts[nproc] = sorted(map(int, re.findall(r"matmuls in optimizer.step\(\): (\d+)", r.stdout)))
+        logs[nproc] = read_log(log_dir)["train"]
+    per_step = 8 * 5 * 3  # 8 matrices, 5 Newton-Schulz iterations of 3 products each
+    assert counts == {None: [4 * per_step], 2: [2 * per_step, 2 * per_step]}, counts
+    assert (tmp_path / "log2" / "model_00004.pt").exists()  # the ranks' weights were equal, bit for bit
+    assert logs[None].keys() == logs[2].keys() == set(range(4))
+    assert all(abs(logs[None][s] - logs[2][s]) <= 1e-4 for s in logs[None]), logs
 
 
 def test_muon_refuses_fsdp_and_a_changed_optimizer(muon1, data, tmp_path):

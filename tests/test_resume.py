@@ -464,6 +464,89 @@ def test_samples_are_trimmed_too(tmp_path):
     assert (tmp_path / "b" / "log.txt").read_text() == (tmp_path / "a" / "log.txt").read_text()
 
 
+class Loader:
+    """In place of train_gpt2.DataLoaderLite, for a TrainState built in the test."""
+    pos = 0
+
+    def load_state(self, state, source):
+        pass
+
+    def state(self):
+        return {"file": "edufineweb_train_000000.npy"}
+
+
+def trained_state(n_layer):
+    """A TrainState of a tiny GPT after one AdamW step (the moments exist), on the CPU."""
+    from gptkit import checkpoint
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=n_layer, n_head=2, n_embd=16))
+    opt = m.configure_optimizers(0.1, 1e-3, "cpu")
+    m(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+    opt.step()
+    return checkpoint.TrainState(m, m, opt, torch.amp.GradScaler("cpu", enabled=False), Loader())
+
+
+def checksum_before_issue_36(obj):
+    """The checksum as written until issue 36, one .item() per tensor: what older checkpoints hold."""
+    if torch.is_tensor(obj):
+        t = obj.detach().contiguous().view(-1)
+        return t.view(torch.int32 if t.element_size() == 4 else torch.uint8).sum(dtype=torch.int64).item()
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if not isinstance(obj, (list, tuple)):
+        return 0
+    return sum(map(checksum_before_issue_36, obj)) % 2 ** 62
+
+
+def test_a_checkpoint_write_reads_values_back_a_fixed_number_of_times(tmp_path):
+    """Issue 36.5: writing a checkpoint reads tensor values back to the host twice (the replicas'
+    checksum, the checkpoint's), however many tensors it holds: it was once a tensor, and on a GPU
+    each read waits for the device (~450 at 124M). Every read by name, as test_step's probe counts
+    them (item, tolist, bool, float, int, index, cpu, numpy), for two model sizes."""
+    from torch.overrides import TorchFunctionMode
+
+    from gptkit import checkpoint
+    T = torch.Tensor
+    reads_by_name = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.cpu, T.numpy}
+
+    class HostReads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in reads_by_name:
+                reads.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+    seen = {}
+    for n_layer in (1, 4):
+        state, reads = trained_state(n_layer), []
+        with HostReads():
+            checkpoint.save_checkpoint(state, 1.0, {}, tmp_path, keep_checkpoints=0)
+        seen[n_layer] = reads
+    assert seen == {1: ["tolist", "tolist"], 4: ["tolist", "tolist"]}
+
+
+def test_a_checkpoint_is_the_file_written_before_issue_36(tmp_path):
+    """Issue 36.5: the checkpoint's tensors go to the host in one pass and its checksum is read once,
+    but the file is byte for byte the one written before (torch.save of the state, the checksum
+    summed one tensor at a time): old checkpoints verify, the tied wte/lm_head weight is saved once
+    (one storage, two keys), the state dict keeps its metadata."""
+    from gptkit import checkpoint
+    from gptkit.common import atomic_write
+    state = trained_state(2)
+    checkpoint.save_checkpoint(state, 1.0, {}, tmp_path, keep_checkpoints=0)
+    old = checkpoint.checkpoint_state(state, 1.0, {})
+    old["checksum"] = checksum_before_issue_36(old)
+    (tmp_path / "old").mkdir()  # under the same file name, which torch.save writes into the file
+    atomic_write(tmp_path / "old" / "model_00000.pt", lambda f: torch.save(old, f))
+    assert (tmp_path / "model_00000.pt").read_bytes() == (tmp_path / "old" / "model_00000.pt").read_bytes()
+    ckpt = checkpoint.read_checkpoint(tmp_path / "old" / "model_00000.pt")  # verifies
+    model = ckpt["model"]
+    assert model["lm_head.weight"].untyped_storage().data_ptr() == \
+        model["transformer.wte.weight"].untyped_storage().data_ptr()
+    nested = {"a": [torch.randn(5), (torch.randint(-2 ** 31, 2 ** 31 - 1, (7,), dtype=torch.int32), 3)],
+              "b": {"c": torch.ones(3, dtype=torch.float16), "d": torch.arange(-9, 9)}, "e": "text"}
+    assert checkpoint.checksum(nested) == checksum_before_issue_36(nested)
+
+
 def test_resumed_optimizer_keeps_this_devices_settings():
     """Issue 21.6: a checkpoint's param groups carry the saving run's AdamW settings (foreach, as
     written before issue 27 made AdamW fused everywhere); restore keeps the fresh optimizer's and
@@ -479,14 +562,6 @@ def test_resumed_optimizer_keeps_this_devices_settings():
     for group in saved["param_groups"]:
         group.update(fused=False, foreach=True)  # as an older CPU run wrote them
 
-    class Loader:
-        pos = 0
-
-        def load_state(self, state, source):
-            pass
-
-        def state(self):
-            return {"file": "edufineweb_train_000000.npy"}
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     state = checkpoint.TrainState(m, m, m.configure_optimizers(0.1, 1e-3, "cpu"), scaler, Loader())
     ckpt = {"model": m.state_dict(), "optimizer": saved, "loader": {}, "rng": checkpoint.rng_state("cpu"),

@@ -195,14 +195,27 @@ def test_the_training_graph_is_compiled_once_with_static_shapes(data, tmp_path):
     assert sorted(read_log(tmp_path / "log")["val"]) == [0, 3, 6]
 
 
-# --- waits: a stuck rank ends the run, rank 0's slow work alone does not ---------------------------
+# --- waits: a stuck rank ends the run, a slow first step or rank 0's slow work alone does not ------
 
 FAULTS = """
 import os, sys, time, torch, train_gpt2
-from gptkit import checkpoint
+from gptkit import checkpoint, parallel
 rank, env = int(os.environ['RANK']), lambda k: int(os.environ.get(k, -1))
+if env('WAIT_FOR_ALL_S') > 0:  # wait_for_all's bound in seconds, not hours
+    parallel.WAIT_FOR_ALL_TIMEOUT = env('WAIT_FOR_ALL_S')
+def cold_start(calls):  # this rank's first eval and first step as a cold compile cache makes them
+    if rank == env('SLOW_RANK') and calls[0] == 0:
+        print(f"rank {rank} compiles slowly", flush=True)
+        time.sleep(float(os.environ['SLOW_FIRST_S']))
+evaluate, evals = train_gpt2.evaluate, [0]
+def slow_evaluate(*a, **k):
+    cold_start(evals)
+    evals[0] += 1
+    return evaluate(*a, **k)
+train_gpt2.evaluate = slow_evaluate
 step, calls = train_gpt2.train_step, [0]
 def faulty(state, *a, **k):
+    cold_start(calls)
     if rank == env('STALL_RANK') and calls[0] == env('STALL_STEP'):  # stuck (until torchrun stops it)
         print(f"rank {rank} stalls at step {calls[0]}", flush=True)
         while not checkpoint.stop_requested:
@@ -215,10 +228,16 @@ def faulty(state, *a, **k):
     calls[0] += 1
     return out
 train_gpt2.train_step = faulty
-write, slow = checkpoint.atomic_write, [env('SLOW_WRITE_S')]
-def slow_write(*a, **k):  # rank 0 alone: its first checkpoint write slower than collective_timeout
-    time.sleep(max(0, slow.pop() if slow else 0))
-    return write(*a, **k)
+write = checkpoint.atomic_write
+def slow_write(path, write_to):  # rank 0 alone: the checkpoint of step SLOW_STEP, its bytes then slow to land
+    def slow(f):
+        write_to(f)
+        t0 = time.time()
+        while path.endswith(f"model_{env('SLOW_STEP'):05d}.pt") and time.time() - t0 < env('SLOW_WRITE_S'):
+            if checkpoint.stop_requested:  # a hung file system: until torchrun stops this rank
+                os._exit(1)
+            time.sleep(0.05)
+    return write(path, slow)
 checkpoint.atomic_write = slow_write
 train_gpt2.main(sys.argv[1:])
 """
@@ -234,8 +253,8 @@ def errors(r):
 
 def test_a_stuck_rank_ends_the_run_after_collective_timeout(data, tmp_path):
     """Rank 1 stops answering in step 9 (after the checkpoint of step 8): rank 0 gives up after
-    collective_timeout=20 s, with one line naming the phase it waited in, and exits 1, well before
-    the test's own timeout; the checkpoint stands."""
+    collective_timeout=20 s (the first step's longer timeout is over), with one line naming the
+    phase it waited in, and exits 1, well before the test's own timeout; the checkpoint stands."""
     t0 = time.time()
     stall = {"STALL_RANK": "1", "STALL_STEP": "9"}
     r = launch(FAULTS, tmp_path, argv(data, tmp_path / "log", *WAITS), 2, stall)
@@ -251,10 +270,53 @@ def test_a_stuck_rank_ends_the_run_after_collective_timeout(data, tmp_path):
 def test_rank_0_writing_checkpoints_slower_than_the_timeout_is_not_stuck(data, tmp_path):
     """The checkpoint of step 8 takes rank 0 25 s to write, longer than collective_timeout=20 s:
     the others wait for it (parallel.wait_for_all) and the run ends normally, its log whole."""
-    r = launch(FAULTS, tmp_path, argv(data, tmp_path / "log", *WAITS), 2, {"SLOW_WRITE_S": str(TIMEOUT + 5)})
+    slow = {"SLOW_STEP": "8", "SLOW_WRITE_S": str(TIMEOUT + 5)}
+    r = launch(FAULTS, tmp_path, argv(data, tmp_path / "log", *WAITS), 2, slow)
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(read_log(tmp_path / "log")["train"]) == list(range(12))
     assert os.path.exists(tmp_path / "log" / "model_00012.pt")
+
+
+def test_rank_0_hung_in_a_checkpoint_write_ends_the_run_after_wait_for_all_timeout(data, tmp_path):
+    """Issue 36.3: rank 0's write of the last checkpoint (step 12) hangs, as on a hung NFS server:
+    rank 1 waits for it through the process group's store up to parallel.WAIT_FOR_ALL_TIMEOUT
+    (hours; 20 s here), then ends the run with one line naming that bound, exit 1; the checkpoint
+    of step 8 stands, whole, for the next start. (Before: a gloo barrier that waited 7 days.)"""
+    from gptkit import checkpoint
+    t0 = time.time()
+    hang = {"SLOW_STEP": "12", "SLOW_WRITE_S": "100000", "WAIT_FOR_ALL_S": str(TIMEOUT)}
+    r = launch(FAULTS, tmp_path, argv(data, tmp_path / "log", *WAITS), 2, hang, timeout=150)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
+    assert TIMEOUT < time.time() - t0 < TIMEOUT + 100
+    assert errors(r) == [f"error: rank 1 waited more than WAIT_FOR_ALL_TIMEOUT={TIMEOUT} s for the other "
+                         "ranks in the checkpoint: one of them is stuck or gone; the last checkpoint "
+                         "stands: run the same command again to resume"], r.stderr[-3000:]
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "log")] == [8]
+    assert checkpoint.pick_checkpoint(tmp_path / "log")[0] == 8  # it loads, its checksum whole
+
+
+def test_a_rank_slow_in_its_first_eval_and_step_does_not_end_the_run(data, tmp_path):
+    """Issue 36.4: rank 1 takes 12.5 s longer than rank 0 in its first eval and again in its first
+    step, as a cold compile cache on one node makes them: 2.5 x collective_timeout=10 s in all, each
+    delay past it. Until the first step is done the ranks wait up to parallel.FIRST_STEP_TIMEOUT,
+    then collective_timeout; the run ends as one without the delay does, with the same losses."""
+    timeout = 10
+    run_args = ["--max_steps=6", "--eval_interval=3", "--checkpoint_interval=0",
+                f"--collective_timeout={timeout}"]
+    (tmp_path / "plain.py").write_text(FAULTS)  # the run without the delay, meanwhile: no wall time added
+    plain = forked.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(tmp_path / "plain.py"), *argv(data, tmp_path / "plain", *run_args)], cwd=ROOT,
+                         env=one_thread(PYTHONUNBUFFERED="1", PYTHONPATH=ROOT), stdout=forked.PIPE,
+                         stderr=forked.PIPE, text=True)
+    slow = {"SLOW_RANK": "1", "SLOW_FIRST_S": str(timeout * 1.25)}
+    r = launch(FAULTS, tmp_path, argv(data, tmp_path / "slow", *run_args), 2, slow)
+    out, err = plain.communicate(timeout=300)
+    assert plain.returncode == 0, err[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("rank 1 compiles slowly") == 2
+    a, b = read_log(tmp_path / "plain"), read_log(tmp_path / "slow")
+    assert sorted(b["train"]) == list(range(6)) and sorted(b["val"]) == [0, 3, 6]
+    assert a == b
 
 
 # --- replicas checked at every checkpoint ------------------------------------------------------------
