@@ -7,8 +7,8 @@ HellaSwag: download, render and score, as build-nanogpt does, but batched and di
 
 An example is a context and 4 endings; each ending is scored by the loss of its tokens after the
 context. acc picks the ending of lowest summed loss, acc_norm the lowest mean loss (per token).
-Rows are rendered as build-nanogpt renders them (context tokens, then " " + ending tokens, mask 1
-over the ending, right-padded), so the figures compare with its published ones.
+Rows are rendered as build-nanogpt renders them (context tokens, then " " + ending tokens), so the
+figures compare with its published ones.
 """
 import argparse
 import contextlib
@@ -83,47 +83,34 @@ def iterate_examples(split="val", file=None, cache_dir=CACHE_DIR):
             yield example
 
 
-def render_example(example):
-    """(tokens (4, L) long, mask (4, L) long, label): context + " " + ending per row, mask 1 over
-    the ending, rows right-padded with 0."""
-    enc = get_gpt2_encoding()
-    ctx = enc.encode(example['ctx'])
-    rows = [ctx + enc.encode(" " + ending) for ending in example['endings']]
-    L = max(len(r) for r in rows)
-    tokens = torch.zeros((4, L), dtype=torch.long)
-    mask = torch.zeros((4, L), dtype=torch.long)
-    for i, row in enumerate(rows):
-        tokens[i, :len(row)] = torch.tensor(row)
-        mask[i, len(ctx):len(row)] = 1
-    return tokens, mask, example['label']
-
-
-def prepare(rendered, block_size, device, batch_examples=32, rank=0, world=1, one_shape=False):
-    """Rank's share of rendered examples, made once on the host into what ending_losses takes, on
-    device: (batches, labels). The examples are sorted by context length and dealt to the ranks in
-    turn, E = batch_examples to a batch: ctx (E, P), the first P tokens of their contexts; pieces of
-    R rows sorted by length, each (which (R,), the example of each row, x (R, T), the rows' tokens
-    after the first P, right-padded, at (m,), the positions in x.view(-1) that predict ending
-    tokens); y (M,), those tokens, piece after piece; row (M,), the row of each among all of the
-    rank's (4 * len(labels): padding). R = E; with one_shape, R = 4E, P = 0, and every batch has one
-    shape: one compiled graph. A row longer than block_size loses context tokens from the left; its
-    ending must fit."""
-    long = sum(tokens.size(1) > block_size for tokens, _, _ in rendered)
+def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1, one_shape=False):
+    """Rank's share of the examples, made once on the host into what ending_losses takes, on device:
+    (batches, labels). The examples are sorted by context length and dealt to the ranks in turn,
+    E = batch_examples to a batch: ctx (E, P), the first P tokens of their contexts; pieces of R rows
+    sorted by length, each (which (R,), the example of each row, x (R, T), the rows' tokens after the
+    first P, right-padded, at (m,), the positions in x.view(-1) that predict ending tokens); y (M,),
+    those tokens, piece after piece; row (M,), the row of each among all of the rank's (4 *
+    len(labels): padding). R = E; with one_shape, R = 4E, P = 0, and every batch has one shape: one
+    compiled graph. A row longer than block_size loses context tokens from the left; its ending
+    must fit."""
+    enc, rows, shared, long = get_gpt2_encoding(), [], [], 0
+    for example in examples:
+        ctx = enc.encode(example['ctx'])
+        full = [ctx + enc.encode(" " + ending) for ending in example['endings']]  # as build-nanogpt renders
+        for t in full:
+            cut = max(0, len(t) - block_size)
+            if cut > len(ctx):
+                raise UserError(f"an ending of {len(t) - len(ctx)} tokens does not fit in "
+                                f"block_size={block_size}")
+            # the row, and the position that predicts its first scored token (no context: the first is not)
+            rows.append((t[cut:], max(len(ctx) - cut - 1, 0)))
+        cut = max(map(len, full)) > block_size
+        long += cut
+        shared.append(0 if cut else max(len(ctx) - 1, 0))  # context tokens the rows share, less the last
     if long and rank == 0:
         print(f"hellaswag: {long} examples are longer than block_size={block_size}: "
               f"their contexts lose tokens from the left")
-    rows = []  # 4 per example: (tokens, the position that predicts its first scored token)
-    for tokens, mask, _ in rendered:
-        for row, m in zip(tokens.tolist(), mask.tolist()):
-            start, n = m.index(1), len(m) - m[::-1].index(1)  # the ending is row[start:n]
-            cut = max(0, n - block_size)
-            if start < cut:
-                raise UserError(f"an ending of {n - start} tokens does not fit in block_size={block_size}")
-            rows.append((row[cut:n], max(start - cut - 1, 0)))  # no context: the first token unscored
-    # per example, the context tokens its rows share (none if they were cut), less the last one
-    shared = [0 if tokens.size(1) > block_size else min(p for _, p in rows[4 * j:4 * j + 4])
-              for j, (tokens, _, _) in enumerate(rendered)]
-    mine, E = sorted(range(len(rendered)), key=shared.__getitem__)[rank::world], batch_examples
+    mine, E = sorted(range(len(examples)), key=shared.__getitem__)[rank::world], batch_examples
     R = 4 * E if one_shape else E
     scored = [[len(t) - p - 1 for t, p in rows[4 * j:4 * j + 4]] for j in mine]
     if one_shape:
@@ -149,7 +136,7 @@ def prepare(rendered, block_size, device, batch_examples=32, rank=0, world=1, on
             pieces.append((which.to(device), x.to(device), torch.tensor(at + [0] * pad, device=device)))
         y, row = torch.tensor(y + [0] * pad), torch.tensor(row + [4 * len(mine)] * pad)
         batches.append((ctx.to(device), pieces, y.to(device), row.to(device)))
-    return batches, torch.tensor([rendered[j][2] for j in mine], device=device)
+    return batches, torch.tensor([examples[j]['label'] for j in mine], device=device)
 
 
 def batch_losses(model, ctx, pieces, y):
@@ -224,7 +211,7 @@ def load_for_training(file, model, batch_examples, device, one_shape=False):
                 why = str(e)
         parallel.wait_for_all()  # each node's download first, however long it takes
         if os.path.isfile(path):
-            examples = [render_example(e) for e in iterate_examples(file=path)]  # bad data: UserError
+            examples = list(iterate_examples(file=path))  # bad data: UserError
             if not examples:  # every rank reads the same file: all stop here, before step 0
                 raise UserError(f"{path}: no HellaSwag examples in it")
         else:
@@ -288,8 +275,7 @@ def main(argv=None):
     except (UserError, ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     from tqdm import tqdm
-    rendered = [render_example(e) for e in tqdm(examples, desc="render", leave=False)]
-    batches, labels = prepare(rendered, model.config.block_size, device, args.batch_examples)
+    batches, labels = prepare(examples, model.config.block_size, device, args.batch_examples)
     counts = evaluate(model, (tqdm(batches, desc="score"), labels), args.dtype)
     n, correct, correct_norm = counts.tolist()
     print(f"acc: {correct / n:.4f} acc_norm: {correct_norm / n:.4f}")

@@ -46,9 +46,24 @@ def hf_and_ours(tmp_path_factory):
     return hf, GPT.from_pretrained(str(d)).eval()
 
 
+def render_example(example):
+    """build-nanogpt's rendering: (tokens (4, L), mask (4, L), label), context + " " + ending per row,
+    mask 1 over the ending, rows right-padded with 0."""
+    from gptkit.tokenizer import get_gpt2_encoding
+    enc = get_gpt2_encoding()
+    ctx = enc.encode(example['ctx'])
+    rows = [ctx + enc.encode(" " + ending) for ending in example['endings']]
+    tokens = torch.zeros((4, max(map(len, rows))), dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for i, row in enumerate(rows):
+        tokens[i, :len(row)] = torch.tensor(row)
+        mask[i, len(ctx):len(row)] = 1
+    return tokens, mask, example['label']
+
+
 def brute_force(hf, example):
     """build-nanogpt's scoring with HF's full logits, one example at a time."""
-    tokens, mask, label = hellaswag.render_example(example)
+    tokens, mask, label = render_example(example)
     with torch.no_grad():
         logits = hf(tokens).logits
     losses = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1),
@@ -58,22 +73,21 @@ def brute_force(hf, example):
 
 
 def test_render_example_as_build_nanogpt(enc):
+    """prepare's rows are build-nanogpt's (context tokens, then " " + ending tokens), and the tokens
+    it scores are every ending's, each predicted from the position before it."""
     e = {"ctx": "A man sits", "label": 2, "endings": ["down.", "on a big chair.", "up", "there"]}
-    tokens, mask, label = hellaswag.render_example(e)
-    ctx = enc.encode("A man sits")
-    assert label == 2 and tokens.shape == mask.shape == (4, len(ctx) + len(enc.encode(" on a big chair.")))
-    assert tokens[1].tolist() == ctx + enc.encode(" on a big chair.")
-    down = enc.encode(" down.")
-    pad = tokens.size(1) - len(ctx) - len(down)
-    assert tokens[0].tolist() == ctx + down + [0] * pad
-    assert mask[0].tolist() == [0] * len(ctx) + [1] * len(down) + [0] * pad
+    [(ctx, [(which, x, at)], y, row)], labels = hellaswag.prepare([e], 64, "cpu", 1, one_shape=True)
+    rows = [enc.encode("A man sits") + enc.encode(" " + ending) for ending in e["endings"]]
+    assert sorted(x.tolist()) == sorted(r + [0] * (x.size(1) - len(r)) for r in rows)
+    assert sorted(y.tolist()) == sorted(t for ending in e["endings"] for t in enc.encode(" " + ending))
+    assert torch.equal(x.view(-1)[at + 1], y) and which.tolist() == [0] * 4
+    assert labels.tolist() == [2] and ctx.shape == (1, 0) and sorted(set(row.tolist())) == [0, 1, 2, 3]
 
 
 def losses_of(model, examples, batch_examples=32, one_shape=False, dtype="float32", rank=0, world=1):
     """hellaswag.py's (sum, mean) loss of every ending and its counts, the endings sorted by their sum
     (prepare orders the examples its own way)."""
-    rendered = [hellaswag.render_example(e) for e in examples]
-    prepared = hellaswag.prepare(rendered, model.config.block_size, "cpu", batch_examples, rank, world,
+    prepared = hellaswag.prepare(examples, model.config.block_size, "cpu", batch_examples, rank, world,
                                  one_shape)
     sums, means = hellaswag.ending_losses(model, prepared, dtype)
     order = sums.argsort()
@@ -136,7 +150,7 @@ def test_long_examples_lose_context_from_the_left(hf_and_ours, capsys):
     _, ours = hf_and_ours  # block_size 64
     e = make_examples(1)[0]
     e["ctx"] = " ".join(["kitchen"] * 100)
-    tokens, mask, label = hellaswag.render_example(e)
+    tokens, mask, label = render_example(e)
     assert tokens.size(1) > 64
     s, _, (n, _, _) = losses_of(ours, [e])
     assert n == 1
@@ -157,11 +171,11 @@ def test_the_compiled_eval_counts_as_the_eager_one(hf_and_ours):
     padded) and counts what the eager eval counts."""
     import torch._dynamo
     _, ours = hf_and_ours
-    rendered = [hellaswag.render_example(e) for e in make_examples(23, seed=2)]
-    eager = hellaswag.evaluate(ours, hellaswag.prepare(rendered, 64, "cpu", 5))
+    examples = make_examples(23, seed=2)
+    eager = hellaswag.evaluate(ours, hellaswag.prepare(examples, 64, "cpu", 5))
     torch._dynamo.reset()
     hellaswag.compiled_batch_losses.cache_clear()
-    prepared = hellaswag.prepare(rendered, 64, "cpu", 5, one_shape=True)
+    prepared = hellaswag.prepare(examples, 64, "cpu", 5, one_shape=True)
     assert len({(tuple(x.shape), tuple(at.shape)) for _, [(_, x, at)], _, _ in prepared[0]}) == 1
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = hellaswag.evaluate(ours, prepared, compile=True)
@@ -277,7 +291,7 @@ def test_load_for_training_in_one_process(tmp_path, hf_and_ours, capsys):
     _, ours = hf_and_ours
     write_file(tmp_path / "h.jsonl", make_examples(3))
     got = hellaswag.load_for_training(str(tmp_path / "h.jsonl"), ours, 2, "cpu")
-    want = hellaswag.prepare([hellaswag.render_example(e) for e in make_examples(3)], 64, "cpu", 2)
+    want = hellaswag.prepare(make_examples(3), 64, "cpu", 2)
     assert hellaswag.evaluate(ours, got).tolist() == hellaswag.evaluate(ours, want).tolist()
     flat = lambda prepared: [t.tolist() for t in torch.utils._pytree.tree_leaves(prepared)]
     assert flat(got) == flat(want)
