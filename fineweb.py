@@ -171,10 +171,10 @@ def tokenize(text):
     return np.array([EOT, *get_gpt2_encoding().encode_ordinary(text)], dtype=np.uint16)  # GPT-2's ids fit
 
 
-def tokenized(docs, pool, batch=1024):
-    """Token arrays of docs, in order. Bounded batches: memory does not grow with the dataset
-    (Pool.imap alone would read the whole input ahead)."""
-    for chunk in iter(lambda: list(itertools.islice(docs, batch)), []):
+def tokenized(docs, pool):
+    """Token arrays of docs, in order. Bounded batches of 1024 documents: memory does not grow with
+    the dataset (Pool.imap alone would read the whole input ahead)."""
+    for chunk in iter(lambda: list(itertools.islice(docs, 1024)), []):
         yield from (pool.imap(tokenize, chunk, chunksize=16) if pool else map(tokenize, chunk))
 
 
@@ -193,7 +193,7 @@ def open_output(out_dir, fingerprint):
     old = manifest['args']
     if old != fingerprint:
         diff = [f"{k}: {old.get(k)!r} there, {fingerprint.get(k)!r} now"
-                for k in sorted(set(fingerprint) | set(old)) if old.get(k) != fingerprint.get(k)]
+                for k in sorted({*fingerprint, *old}) if old.get(k) != fingerprint.get(k)]
         raise UserError(f"{out_dir} holds shards made with other arguments ({'; '.join(diff)[:500]}): "
                         f"delete the folder or choose another --out_dir")
     for shard in manifest['shards']:
@@ -209,14 +209,15 @@ def build(docs, out_dir, manifest, shard_size, max_tokens, num_proc):
     named with manifest['prefix']; (tokens in all shards, documents read by this run)."""
     shards = manifest['shards']
     doc_i, offset = (shards[-1]['next_doc'], shards[-1]['next_offset']) if shards else (0, 0)
-    total = sum(s['tokens'] for s in shards)
+    total = sum(s['tokens'] for s in shards)  # tokens in the shards and in buf
     buf = np.empty(shard_size, dtype=np.uint16)
     filled = n_docs = 0  # tokens in buf; documents read
 
     def write_shard(next_doc, next_offset):
         name = f"{manifest['prefix']}_{'train' if shards else 'val'}_{len(shards):06d}.npy"
-        atomic_write(os.path.join(out_dir, name), lambda f: np.save(f, buf[:filled]))
-        shards.append({'file': name, 'tokens': filled, 'bytes': os.path.getsize(os.path.join(out_dir, name)),
+        path = os.path.join(out_dir, name)
+        atomic_write(path, lambda f: np.save(f, buf[:filled]))
+        shards.append({'file': name, 'tokens': filled, 'bytes': os.path.getsize(path),
                        'next_doc': next_doc, 'next_offset': next_offset})
         save_manifest(out_dir, manifest)  # after the rename: a listed shard is always whole
 
@@ -224,22 +225,23 @@ def build(docs, out_dir, manifest, shard_size, max_tokens, num_proc):
     bar = tqdm(total=max_tokens or None, initial=total, unit='tok', unit_scale=True, dynamic_ncols=True)
     with (mp.Pool(num_proc) if num_proc > 1 else contextlib.nullcontext()) as pool:
         for doc_i, tokens in enumerate(tokenized(docs, pool), doc_i):
-            end = len(tokens) if not max_tokens else min(len(tokens), offset + max_tokens - total - filled)
+            end = len(tokens) if not max_tokens else min(len(tokens), offset + max_tokens - total)
             bar.update(end - offset)
             while offset < end:
                 take = min(shard_size - filled, end - offset)
                 buf[filled:filled + take] = tokens[offset:offset + take]
-                filled, offset = filled + take, offset + take
+                filled += take
+                offset += take
+                total += take
                 if filled == shard_size:
-                    total += filled
                     write_shard(doc_i + (offset == len(tokens)), offset % len(tokens))  # next shard starts
                     filled = 0
-            offset, n_docs = 0, n_docs + 1  # only the first document may begin in an earlier shard
-            if max_tokens and total + filled >= max_tokens:
+            offset = 0  # only the first document may begin in an earlier shard
+            n_docs += 1
+            if max_tokens and total >= max_tokens:
                 break
     bar.close()
     if filled:
-        total += filled
         write_shard(doc_i + 1, 0)
     return total, n_docs
 
@@ -268,35 +270,37 @@ def main(argv=None):
                    help="offline demo corpus: this Python's standard library sources and built-in docstrings")
     args = p.parse_args(argv)
     try:
-        run(args)
+        run(**vars(args))
     except UserError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit("interrupted: finished shards are kept; run the same command again to resume")
 
 
-def run(args):
-    out_dir = args.out_dir or ('demo_stdlib' if args.demo else 'edu_fineweb10B')
-    shard_size = args.shard_size or (500_000 if args.demo else 100_000_000)
-    if shard_size <= 0 or args.max_tokens < 0 or args.num_proc <= 0:
+def run(dataset, name, text_column, out_dir, shard_size, num_proc, streaming, max_tokens, demo):
+    out_dir = out_dir or ('demo_stdlib' if demo else 'edu_fineweb10B')
+    shard_size = shard_size or (500_000 if demo else 100_000_000)
+    if shard_size <= 0 or max_tokens < 0 or num_proc <= 0:
         raise UserError("--shard_size and --num_proc must be positive, --max_tokens >= 0")
     # what decides the bytes written (not streaming or num_proc): a rerun must match it to resume.
     # The prefix of the shards' names: build-nanogpt's for FineWeb-Edu, else one that says what they
     # hold (the trainer globs *_{split}_*.npy, so no '_' in it; the manifest names the dataset fully).
-    fingerprint = {'shard_size': shard_size, 'max_tokens': args.max_tokens}
-    if args.demo:
-        prefix, stdlib = 'demo', sysconfig.get_paths()['stdlib']
-        fingerprint.update(demo=sys.version, demo_version=2, stdlib=stdlib, files=len(demo_files()))
+    fingerprint = {'shard_size': shard_size, 'max_tokens': max_tokens}
+    if demo:
+        prefix = 'demo'
+        fingerprint.update(demo=sys.version, demo_version=2, stdlib=sysconfig.get_paths()['stdlib'],
+                           files=len(demo_files()))
         docs = iter_demo()  # a generator: nothing read before the skip below
-    elif is_local(args.dataset):
-        prefix, files = 'local', local_files(args.dataset)
-        check_parquet_columns(files, args.text_column)
-        fingerprint.update(text_column=args.text_column, files=files_digest(files))
-        docs = iter_local(files, args.text_column)
+    elif is_local(dataset):
+        prefix = 'local'
+        files = local_files(dataset)
+        check_parquet_columns(files, text_column)
+        fingerprint.update(text_column=text_column, files=files_digest(files))
+        docs = iter_local(files, text_column)
     else:
-        name = ''.join(c for c in args.dataset.split('/')[-1].lower() if c.isalnum()) or 'data'
-        prefix = 'edufineweb' if args.dataset == FINEWEB_EDU else name
-        fingerprint.update(dataset=args.dataset, name=args.name, text_column=args.text_column)
+        alnum = ''.join(c for c in dataset.split('/')[-1].lower() if c.isalnum()) or 'data'
+        prefix = 'edufineweb' if dataset == FINEWEB_EDU else alnum
+        fingerprint.update(dataset=dataset, name=name, text_column=text_column)
         docs = None  # iter_hf skips on HF's side
 
     manifest = open_output(out_dir, fingerprint)
@@ -306,11 +310,11 @@ def run(args):
         print(f"{out_dir} is complete already: reused all {reused}, nothing to do")
         return
     skip = done[-1]['next_doc'] if done else 0
-    docs = iter_hf(args.dataset, args.name, args.text_column, args.streaming, skip) if docs is None else \
+    docs = iter_hf(dataset, name, text_column, streaming, skip) if docs is None else \
         itertools.islice(docs, skip, None)
     first = next(docs, None)  # fail before writing anything: a missing column, an empty dataset
     if first is None and not done:
-        raise UserError(f"{'the demo corpus' if args.demo else args.dataset}: no documents")
+        raise UserError(f"{'the demo corpus' if demo else dataset}: no documents")
     os.makedirs(out_dir, exist_ok=True)
     for tmp in glob.glob(os.path.join(out_dir, '*.tmp[0-9]*')):  # what a killed run's atomic_write left
         os.remove(tmp)
@@ -322,7 +326,7 @@ def run(args):
     docs = itertools.chain([] if first is None else [first], docs)  # none left: killed before 'complete'
     # resumed: the names it began with (an older fineweb.py's folder holds edufineweb_ shards of any data)
     manifest['prefix'] = done[0]['file'].rsplit('_val_', 1)[0] if done else prefix
-    total, n_docs = build(docs, out_dir, manifest, shard_size, args.max_tokens, args.num_proc)
+    total, n_docs = build(docs, out_dir, manifest, shard_size, max_tokens, num_proc)
     manifest['complete'] = True
     save_manifest(out_dir, manifest)
     n_shards = len(manifest['shards'])

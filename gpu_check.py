@@ -57,12 +57,12 @@ def time_evals(c, device, n_examples):
     args = (c['B'], c['T'], device, c['dtype'])
     train_gpt2.evaluate(compiled, tokens[:2 * c['B'] * c['T'] + 1], *args)  # compiles
     val_s, _ = seconds(device, lambda: train_gpt2.evaluate(compiled, tokens, *args))
+    batch = memory.examples_per_batch(c['B'], c['T'])  # as the trainer prepares them
     examples = hellaswag.synthetic_examples(n_examples)
-    batch, bs = memory.examples_per_batch(c['B'], c['T']), model.config.block_size
-    prepared = hellaswag.prepare(examples, bs, device, batch, one_shape=c['compile'])  # as the trainer does
+    prepared = hellaswag.prepare(examples, c['block_size'], device, batch, one_shape=c['compile'])
     hellaswag.evaluate(model, prepared, c['dtype'], c['compile'])  # compiles
     hella_s, counts = seconds(device, lambda: hellaswag.evaluate(model, prepared, c['dtype'], c['compile']))
-    eager = hellaswag.evaluate(model, hellaswag.prepare(examples, bs, device, batch), c['dtype'])
+    eager = hellaswag.evaluate(model, prepared, c['dtype'])
     print(f"hellaswag (examples, acc, acc_norm): {counts.tolist()}, eager: {eager.tolist()}")
     return val_s, hella_s
 

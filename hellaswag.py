@@ -112,10 +112,10 @@ def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1, on
               f"their contexts lose tokens from the left")
     mine, E = sorted(range(len(examples)), key=shared.__getitem__)[rank::world], batch_examples
     R = 4 * E if one_shape else E
-    scored = [[len(t) - p - 1 for t, p in rows[4 * j:4 * j + 4]] for j in mine]
-    if one_shape:
+    if one_shape:  # the longest row, and the most tokens scored in a batch
         T = max(len(rows[4 * j + r][0]) for j in mine for r in range(4))
-        M = max(sum(map(sum, scored[i:i + E])) for i in range(0, len(mine), E))
+        scored = [sum(len(t) - p - 1 for t, p in rows[4 * j:4 * j + 4]) for j in mine]
+        M = max(sum(scored[i:i + E]) for i in range(0, len(mine), E))
     batches = []
     for i in range(0, len(mine), E):
         P = 0 if one_shape else shared[mine[i]]  # the shortest context of the batch, less its last token
@@ -153,15 +153,11 @@ def batch_losses(model, ctx, pieces, y):
             for layer, context in zip(cache, shared):
                 layer[:, :, :, :P] = context[:, which]
         states.append(model.hidden_states(x, cache, start_pos=P).flatten(0, 1)[at])  # (m, n_embd)
-    return token_losses(model, torch.cat(states), y)  # the output layer only where an ending token is next
-
-
-def token_losses(model, h, targets):
-    """-log p(targets[i]) from the output layer applied to h[i], in float32."""
+    h = torch.cat(states)  # the output layer runs only where an ending token is next
     if h.is_cpu:  # the CPU's way: the vocabulary in blocks that stay in cache (gptkit/cpu.py)
-        return cpu.token_losses(h, model.lm_head.weight, targets)
-    logits = model.lm_head(h).float()  # (N, vocab)
-    return torch.logsumexp(logits, dim=1) - logits.gather(1, targets[:, None])[:, 0]
+        return cpu.token_losses(h, model.lm_head.weight, y)
+    logits = model.lm_head(h).float()  # (M, vocab)
+    return torch.logsumexp(logits, dim=1) - logits.gather(1, y[:, None])[:, 0]
 
 
 @functools.cache
@@ -190,7 +186,7 @@ def evaluate(model, prepared, dtype="float32", compile=False):
     total, mean = ending_losses(model, prepared, dtype, compile)
     labels = prepared[1]
     picks = torch.stack((total.view(-1, 4).argmin(1), mean.view(-1, 4).argmin(1))) == labels  # (2, examples)
-    return torch.cat((torch.tensor([len(labels)], device=labels.device), picks.sum(1)))
+    return torch.cat((labels.new_tensor([len(labels)]), picks.sum(1)))
 
 
 def load_for_training(file, model, batch_examples, device, one_shape=False):
@@ -216,10 +212,9 @@ def load_for_training(file, model, batch_examples, device, one_shape=False):
                 raise UserError(f"{path}: no HellaSwag examples in it")
         else:
             why = why or f"{path} not found"
-    found = parallel.agree(examples is not None, 'min')  # e.g. a node without the file: nobody evaluates
-    if parallel.rank() == 0 and not found:
-        print(f"warning: no HellaSwag eval: {why or 'not on every node'}; training goes on without it")
-    if not found:
+    if not parallel.agree(examples is not None, 'min'):  # e.g. a node without the file: nobody evaluates
+        if parallel.rank() == 0:
+            print(f"warning: no HellaSwag eval: {why or 'not on every node'}; training goes on without it")
         return None
     return prepare(examples, model.config.block_size, device, batch_examples, parallel.rank(),
                    parallel.world_size(), one_shape)
@@ -263,13 +258,11 @@ def main(argv=None):
     from gptkit.checkpoint import model_in
     try:
         device = pick_device(args.device)
-        examples = list(iterate_examples(args.split, args.file))
+        examples = list(iterate_examples(args.split, args.file))[:args.limit or None]
     except UserError as e:
         sys.exit(f"error: {e}")
     if device == 'cpu':
         cpu.reuse_freed_memory()  # no page faults per forward (docs/benchmarks.md)
-    if args.limit:
-        examples = examples[:args.limit]
     try:
         model = load_model(model_in(args.model), device)
     except (UserError, ValueError, OSError) as e:

@@ -179,6 +179,17 @@ class GPT(nn.Module):
     # OpenAI / HF weights, into this model (to_hf_state_dict, below, is the way out)
 
     @classmethod
+    def empty(cls, config, device='cpu'):
+        """A GPT of config on device, its weights not initialised: for weights that are all loaded
+        next (a missing one is an error), the random init is wasted time at a start (docs/benchmarks.md
+        has how much, for GPT-2 124M)."""
+        with torch.device('meta'):  # no memory, no init, no draw from the RNG
+            model = cls(config)
+        model.to_empty(device=device)
+        model.lm_head.weight = model.transformer.wte.weight  # to_empty unties them
+        return model
+
+    @classmethod
     def from_pretrained(cls, name_or_dir):
         """One of OPENAI_MODELS (through HF transformers, downloaded when online), or a local
         directory holding a HF GPT2LMHeadModel (save_pretrained output)."""
@@ -221,7 +232,7 @@ class GPT(nn.Module):
                                n_embd=hf_config['n_embd'])
         except KeyError as e:
             raise ValueError(f"{source}: config has no key {e.args[0]!r}") from None
-        model = cls(config)
+        model = cls.empty(config)
         sd = model.state_dict()
         # HF keeps the causal mask as buffers; GPT2Model checkpoints (no LM head) lack the prefix
         sd_hf = {k if k.startswith(('transformer.', 'lm_head.')) else 'transformer.' + k: v
@@ -324,18 +335,6 @@ def to_hf_state_dict(state, vocab_size):
     return out
 
 
-class SkipInit(torch.overrides.TorchFunctionMode):
-    """Within it, the in-place torch.nn.init functions do nothing: for a model whose weights are
-    all loaded next (a missing one is an error), the random init is wasted time at a run's start
-    (docs/benchmarks.md has how much, for GPT-2 124M)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, '__module__', None) == 'torch.nn.init' and func.__name__.endswith('_'):
-            return args[0] if args else kwargs['tensor']
-        return func(*args, **kwargs)
-
-
 # what reading something other than a train_gpt2.py checkpoint raises: a missing file, another
 # format, build-nanogpt's pickled GPTConfig (UnpicklingError), other keys or shapes
 NOT_A_CHECKPOINT = (OSError, RuntimeError, KeyError, TypeError, AttributeError, pickle.UnpicklingError)
@@ -359,16 +358,15 @@ def load_model(name, device):
     """An OpenAI name, a HF model folder, or a train_gpt2.py checkpoint (.pt)."""
     if name in OPENAI_MODELS:  # through HF, which has its own init
         return GPT.from_pretrained(name).to(device).eval()
-    with SkipInit():
-        if name.endswith('.pt'):
-            config, state = read_checkpoint_weights(name)
-            try:
-                model = GPT(config)
-                model.load_state_dict(state)  # strict: every weight
-            except NOT_A_CHECKPOINT as e:  # a config or weights that are not a GPT's
-                raise unreadable_checkpoint(name, e) from None
-        else:
-            model = GPT.from_pretrained(name)  # every weight, or an error
+    if name.endswith('.pt'):
+        config, state = read_checkpoint_weights(name)
+        try:
+            model = GPT.empty(config)
+            model.load_state_dict(state)  # strict: every weight
+        except NOT_A_CHECKPOINT as e:  # a config or weights that are not a GPT's
+            raise unreadable_checkpoint(name, e) from None
+    else:
+        model = GPT.from_pretrained(name)  # every weight, or an error
     return model.to(device).eval()
 
 

@@ -47,7 +47,8 @@ def read_log(log_dir):
         for lineno, line in enumerate(f, 1):
             try:
                 step, kind, value = line.split()  # a ValueError unless three words
-                step, value = int(step), float(value)
+                step = int(step)
+                value = float(value)
                 if kind not in KINDS + IGNORED:
                     raise ValueError
             except ValueError:
@@ -86,8 +87,8 @@ def smooth(values, half=10):
     too. A non-finite value (a skipped step's nan) stays nan, a gap as in the raw curve, and is
     left out of its neighbours' fits."""
     def fit(i):  # the line's intercept: its value at x = 0, this step; one point alone is itself
-        near = [(j - i, values[j]) for j in range(max(0, i - half), min(len(values), i + half + 1))
-                if math.isfinite(values[j])]
+        first = max(0, i - half)
+        near = [(j - i, v) for j, v in enumerate(values[first:i + half + 1], first) if math.isfinite(v)]
         return statistics.linear_regression(*zip(*near)).intercept if len(near) > 1 else values[i]
     return [fit(i) if math.isfinite(v) else math.nan for i, v in enumerate(values)]
 
@@ -100,22 +101,22 @@ def plot(runs, out, fineweb_edu=False):
     matplotlib.use('Agg')  # no display needed
     import matplotlib.pyplot as plt
     kinds = ['loss'] + [kind for kind in ('bpb', 'hella') if any(c[kind][0] for _, c in runs)]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(7 * len(kinds), 5), squeeze=False)
-    ax = dict(zip(kinds, axes[0]))
+    fig, ax = plt.subplot_mosaic([kinds], figsize=(7 * len(kinds), 5))  # one row: {kind: its panel}
+    loss = ax['loss']
     for i, (label, c) in enumerate(runs):
         color = f"C{i}"
         steps, train = c['train']
         if train:
-            ax['loss'].plot(steps, train, color=color, alpha=0.2, linewidth=0.8)
-            ax['loss'].plot(steps, smooth(train), color=color, label=f"{label} train (smoothed)")
+            loss.plot(steps, train, color=color, alpha=0.2, linewidth=0.8)
+            loss.plot(steps, smooth(train), color=color, label=f"{label} train (smoothed)")
         if c['val'][0]:
-            ax['loss'].plot(*c['val'], color=color, linestyle='--', marker='.', label=f"{label} val")
+            loss.plot(*c['val'], color=color, linestyle='--', marker='.', label=f"{label} val")
         for kind in kinds[1:]:
             if c[kind][0]:
                 ax[kind].plot(*c[kind], color=color, marker='.', label=label)
         for j, step in enumerate(c['epoch'][0]):  # where the train data starts again, in a new order
-            ax['loss'].axvline(step, color=color, linestyle='-.', linewidth=0.8,
-                               label=None if j else f"{label} new epoch")
+            loss.axvline(step, color=color, linestyle='-.', linewidth=0.8,
+                         label=None if j else f"{label} new epoch")
     refs = dict(REFERENCE, loss=REFERENCE['loss'] if fineweb_edu else [])
     for kind, a in ax.items():
         for (y, text), color in zip(refs.get(kind, []), ('red', 'green')):
@@ -123,7 +124,7 @@ def plot(runs, out, fineweb_edu=False):
         a.set(xlabel='step', title=TITLES[kind])
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
-    ax['loss'].set_ylim(top=min(ax['loss'].get_ylim()[1], 12))  # a random init's ~11 would flatten the rest
+    loss.set_ylim(top=min(loss.get_ylim()[1], 12))  # a random init's ~11 would flatten the rest
     fig.tight_layout()
     atomic_write(out, lambda f: fig.savefig(f, format='png', dpi=100))  # a whole picture or none
     panels = [(a.get_title(), [line.get_label() for line in a.get_lines()]) for a in ax.values()]

@@ -16,24 +16,26 @@ import torch
 from gptkit.common import UserError
 from gptkit.hardware import autocast, pick_device, resolve_dtype
 from model import load_model
-from gptkit.tokenizer import EOT, get_gpt2_encoding
+from gptkit.tokenizer import EOT, N_VOCAB, get_gpt2_encoding
 
 
-def encode_prompt(enc, prompt, model):
+def encode_prompt(prompt, model):
     """Token ids of prompt (GPT-2's <|endoftext|> alone when it is empty, as GPT-2 starts
     unconditional samples), checked against the model's vocabulary and length."""
-    if model.config.vocab_size < enc.n_vocab:
+    enc = get_gpt2_encoding()
+    if model.config.vocab_size < N_VOCAB:
         raise UserError(f"the model's vocab_size={model.config.vocab_size} is smaller than GPT-2's "
-                        f"{enc.n_vocab}: its tokens are not GPT-2's")
+                        f"{N_VOCAB}: its tokens are not GPT-2's")
     ids = enc.encode(prompt) or [EOT]
-    if len(ids) > model.config.block_size:  # generate would keep the last block_size tokens anyway
-        print(f"warning: the prompt's {len(ids)} tokens are more than block_size={model.config.block_size}: "
-              f"it continues the last {model.config.block_size}", file=sys.stderr)
-    return ids[-model.config.block_size:]
+    block = model.config.block_size
+    if len(ids) > block:  # generate would keep the last block_size tokens anyway
+        print(f"warning: the prompt's {len(ids)} tokens are more than block_size={block}: "
+              f"it continues the last {block}", file=sys.stderr)
+    return ids[-block:]
 
 
-def decode(enc, ids):
-    return enc.decode([t for t in ids if t < enc.n_vocab])  # a padded vocabulary's ids have no text
+def decode(ids):
+    return get_gpt2_encoding().decode([t for t in ids if t < N_VOCAB])  # a padded vocabulary's: no text
 
 
 @torch.no_grad()
@@ -42,9 +44,8 @@ def training_samples(model, step, prompt, length, dtype):
     {i}: {text!r}", on the device of the model's weights; seeded by the step, so a resumed run
     gets the same ones. A model with a smaller vocabulary than GPT-2's: a line that says so, and
     no samples."""
-    enc = get_gpt2_encoding()
     try:
-        ids = encode_prompt(enc, prompt, model)
+        ids = encode_prompt(prompt, model)
     except UserError as e:
         print(f"step {step}: no samples: {e}")
         return []
@@ -54,7 +55,7 @@ def training_samples(model, step, prompt, length, dtype):
     generator = torch.Generator(device=device).manual_seed(42 + step)
     with autocast(device, dtype):
         out = model.generate(idx, length, top_k=50, generator=generator)
-    return [f"step {step} sample {i}: {decode(enc, row)!r}" for i, row in enumerate(out.tolist())]
+    return [f"step {step} sample {i}: {decode(row)!r}" for i, row in enumerate(out.tolist())]
 
 
 def main(argv=None):
@@ -85,8 +86,7 @@ def main(argv=None):
         device = pick_device(args.device)
         dtype, _ = resolve_dtype(args.dtype, device)
         model = load_model(model_in(args.model), device)
-        enc = get_gpt2_encoding()
-        idx = torch.tensor([encode_prompt(enc, prompt, model)], dtype=torch.long, device=device)
+        idx = torch.tensor([encode_prompt(prompt, model)], dtype=torch.long, device=device)
         generator = torch.Generator(device=device).manual_seed(args.seed)
     except (UserError, ValueError, OSError, RuntimeError) as e:
         sys.exit(f"error: {e}")
@@ -94,7 +94,7 @@ def main(argv=None):
         with autocast(device, dtype):
             out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k or None, generator=generator)
-        print(f"--- sample {i}\n{decode(enc, out[0].tolist())}", flush=True)
+        print(f"--- sample {i}\n{decode(out[0].tolist())}", flush=True)
 
 
 if __name__ == "__main__":

@@ -84,11 +84,7 @@ def listen_for_stop_signals():
 
 def tensors(obj):
     """Every tensor in obj, through nested dicts, lists and tuples."""
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in tensors(v)]
-    return [obj] if torch.is_tensor(obj) else []
+    return [t for t in torch.utils._pytree.tree_leaves(obj) if torch.is_tensor(t)]
 
 
 def checksum(obj):
@@ -272,18 +268,17 @@ def check_replicas(model, step):
 
 
 def to_host(obj):
-    """A copy of obj with its tensors on the host. Each storage is copied once, keyed as torch.save
-    keys it, so the tied wte/lm_head weight stays one storage under two keys. From a GPU the copies go
-    into pinned memory without waiting; they are done once the host next reads the device, as its
-    stream runs in order. deepcopy, given the host tensors as its memo, copies the rest as it was:
-    what is shared stays shared, and a state dict keeps its metadata."""
+    """A copy of obj with its tensors on the host. From a GPU each copy goes into pinned memory without
+    the host waiting; they are done once the host next reads the device, as its stream runs in order.
+    The same view of the same memory is copied once, so the tied wte/lm_head weight stays one storage
+    under two keys. deepcopy, given the host tensors as its memo, copies the rest as it was: what is
+    shared stays shared, and a state dict keeps its metadata."""
     copies, memo = {}, {}
     for t in tensors(obj):
-        s = t.untyped_storage()
-        if s._cdata not in copies:
-            copies[s._cdata] = s.to(device='cpu', non_blocking=True)  # a CPU storage is returned as it is
-        view = t.storage_offset(), t.shape, t.stride()
-        memo[id(t)] = torch.empty(0, dtype=t.dtype).set_(copies[s._cdata], *view)
+        key = t.data_ptr(), t.dtype, t.shape, t.stride()
+        if key not in copies:
+            copies[key] = t.to('cpu', non_blocking=True)  # a CPU tensor is returned as it is
+        memo[id(t)] = copies[key].detach()  # a tensor of its own, as torch.save would see t
     return copy.deepcopy(obj, memo)
 
 

@@ -15,6 +15,7 @@ import ast
 import difflib
 import importlib.util
 import os
+import runpy
 import sys
 import types
 
@@ -72,10 +73,10 @@ def parse_config(argv, defaults, doc=""):
         if not os.path.isfile(arg):
             raise UserError(f"config file {arg!r} not found (expected a Python file of constants, "
                             f"e.g. config/NAME.py)")
-        namespace = dict(config)  # a file may use the constants: max_steps = 2 * warmup_steps
+        # run as python runs a script (its errors name the file), the constants in sight: a file may
+        # use them (max_steps = 2 * warmup_steps)
         try:
-            with open(arg) as f:
-                exec(compile(f.read(), arg, 'exec'), namespace)  # compile: its errors name the file
+            namespace = runpy.run_path(arg, init_globals=config)
         except Exception as e:
             raise UserError(f"config file {arg!r} failed: {type(e).__name__}: {e}") from None
         for key, value in namespace.items():  # what it assigns; not its imports, functions or _private names
@@ -96,13 +97,16 @@ def constants_help(defaults):
     block = source[source.index('\n# config:'):source.index('\nDEFAULTS = ')]
     lines = ["the constants (edit them atop train_gpt2.py, or --key=value / a config file; default shown):"]
     for line in block.splitlines()[2:]:
-        key, comment = line.split(' = ')[0], line.partition('  # ')[2]
+        key = line.split(' = ')[0]
+        comment = line.partition('  # ')[2]
         if line.startswith('# '):
             lines.append(f"{line[2:]}:")  # a group's heading
         elif key in defaults:
             lines.append(f"  --{key}={defaults[key]!r}".ljust(34) + f" {comment}")
     own = [f"  --{k}={v!r}" for k, v in defaults.items() if f"\n{k} = " not in block]
-    return "\n".join(lines + (["this script's own (its docstring says what they do):"] + own if own else []))
+    if own:
+        lines += ["this script's own (its docstring says what they do):", *own]
+    return "\n".join(lines)
 
 
 def accumulation_steps(total_batch_size, B, T, world):

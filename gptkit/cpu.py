@@ -119,18 +119,13 @@ def blocks_through_onednn(model):
     out."""
     on = onednn_applies(model.lm_head.weight)
     layers = [m for m in model.transformer.h.modules() if isinstance(m, nn.Linear)] if on else []
-    # None: the class's forward (a nested use keeps the outer one's)
-    before = [layer.__dict__.get('forward') for layer in layers]
     try:
         for layer in layers:  # the instance's forward, before the class's
             layer.forward = functools.partial(onednn_linear, weight=layer.weight, bias=layer.bias)
         yield
     finally:
-        for layer, forward in zip(layers, before):
-            if forward is None:
-                del layer.forward
-            else:
-                layer.forward = forward
+        for layer in layers:
+            del layer.forward
 
 
 def token_losses(h, weight, targets):

@@ -29,29 +29,29 @@ def pick_device(device, local_rank=None):
     (cuda:0; under torchrun, local_rank given, cuda:LOCAL_RANK whatever was asked: one GPU per
     process), checked: a malformed name or a device that is not here is a UserError naming the
     devices there are, not CUDA's traceback from deep inside the first tensor moved."""
-    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
+    cuda = torch.cuda.is_available()
+    mps = torch.backends.mps.is_available()
     asked = device
     if device == 'auto':
         device = 'cuda' if cuda else 'mps' if mps else 'cpu'
     kind = device_type(device)
-    if kind == 'cuda' and local_rank is not None:  # torchrun: one GPU per process
+    torchrun = kind == 'cuda' and local_rank is not None
+    if torchrun:  # one GPU per process
         device = f'cuda:{local_rank}'
     elif device == 'cuda':  # set_device needs an index
         device = 'cuda:0'
     n_gpus = torch.cuda.device_count() if cuda else 0
     why = None
-    if kind == 'cuda' and torch.device(device).index >= n_gpus and torch.version.cuda is None:
-        why = f"this torch {torch.__version__} is built without CUDA"
-    elif kind == 'cuda' and torch.device(device).index >= n_gpus:
-        why = f"torch sees {n_gpus or 'no'} CUDA GPU{'s' * (n_gpus > 1)}"
+    if kind == 'cuda' and torch.device(device).index >= n_gpus:
+        why = (f"this torch {torch.__version__} is built without CUDA" if torch.version.cuda is None
+               else f"torch sees {n_gpus or 'no'} CUDA GPU{'s' * (n_gpus > 1)}")
     elif kind == 'mps' and not mps:
         why = "torch sees no Apple GPU"
     if why:
         here = ['cpu'] + [f'cuda:{i}' for i in range(n_gpus)] + ['mps'] * mps
-        if kind == 'cuda' and local_rank is not None:
-            asked = f"{asked!r} ({device} for torchrun's LOCAL_RANK={local_rank})"
-        else:
-            asked = repr(asked)
+        asked = repr(asked)
+        if torchrun:
+            asked += f" ({device} for torchrun's LOCAL_RANK={local_rank})"
         raise UserError(f"device={asked} is not on this machine ({why}); devices here: {', '.join(here)} "
                         f"(device='auto' picks the best of them)")
     return device
@@ -86,20 +86,20 @@ def resolve_dtype(dtype, device):
     """(dtype, why): "auto" made concrete for device, the same answer on every call."""
     if dtype != 'auto':
         return dtype, 'as configured'
-    device = torch.device(device)
-    if device.type == 'cuda':
-        name, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    kind = torch.device(device).type
+    if kind == 'cuda':
+        cc = torch.cuda.get_device_capability(device)
+        gpu = f'auto: {torch.cuda.get_device_name(device)} (compute capability {cc[0]}.{cc[1]})'
         if cc >= (8, 0):  # Ampere and newer: bf16 tensor cores, float32's range, no loss scaling
-            return 'bfloat16', f'auto: {name} (compute capability {cc[0]}.{cc[1]}) has bf16'
-        return 'float16', (f'auto: {name} (compute capability {cc[0]}.{cc[1]}) has no bf16; float16 with '
-                           f'loss scaling')
-    if device.type == 'cpu':
+            return 'bfloat16', f'{gpu} has bf16'
+        return 'float16', f'{gpu} has no bf16; float16 with loss scaling'
+    if kind == 'cpu':
         if cpu_has_bf16():
             return 'bfloat16', 'auto: this CPU has bf16 units, AVX512-BF16 or AMX'
         return 'float32', 'auto: this CPU has no bf16 units; bf16 would be emulated, ~100x slower'
     # MPS: float16 gains memory but no arithmetic speed on Apple GPUs and needs loss scaling; bf16
     # needs macOS 14: float32 is the choice that works everywhere
-    return 'float32', f'auto: float32 on {device.type}'
+    return 'float32', f'auto: float32 on {kind}'
 
 
 def choose_precision(config, device):
@@ -109,13 +109,15 @@ def choose_precision(config, device):
     dtype, why = resolve_dtype(config['dtype'], device)
     least = PRECISIONS[parallel.agree(PRECISIONS.index(dtype), 'min')]  # every rank must compute alike
     if least != dtype:
-        dtype, why = least, 'auto: the choice of a rank whose hardware has less'
+        dtype = least
+        why = 'auto: the choice of a rank whose hardware has less'
+    kind = torch.device(device).type
     if parallel.rank() == 0:
         print(f"precision: {dtype} ({why}){', with loss scaling' if dtype == 'float16' else ''}")
-        if dtype == 'bfloat16' and torch.device(device).type == 'cpu' and not cpu_has_bf16():
+        if dtype == 'bfloat16' and kind == 'cpu' and not cpu_has_bf16():
             print("warning: this CPU has no bf16 units: bfloat16 is emulated, ~100x slower than float32 "
                   "(dtype='auto' picks float32 here)")
-    compiled = torch.device(device).type == 'cuda' if config['compile'] == 'auto' else config['compile']
+    compiled = kind == 'cuda' if config['compile'] == 'auto' else config['compile']
     return dict(config, dtype=dtype, compile=compiled)
 
 
@@ -128,10 +130,9 @@ def sync(device):
 
 
 # dense bf16/fp16 tensor-core peaks from NVIDIA's datasheets (FLOP/s), the first name that matches
-GPU_PEAK_FLOPS = (('H200', 989e12), ('H100 PCIe', 756e12), ('H100 NVL', 835e12), ('H100', 989e12),
-                  ('A100', 312e12), ('L40S', 362e12), ('L40', 181e12), ('A10G', 70e12), ('A10', 125e12),
-                  ('L4', 121e12), ('RTX 4090', 165e12), ('RTX 3090', 71e12), ('V100', 125e12),
-                  ('B200', 2250e12))
+GPU_PEAK_FLOPS = {'H200': 989e12, 'H100 PCIe': 756e12, 'H100 NVL': 835e12, 'H100': 989e12, 'A100': 312e12,
+                  'L40S': 362e12, 'L40': 181e12, 'A10G': 70e12, 'A10': 125e12, 'L4': 121e12,
+                  'RTX 4090': 165e12, 'RTX 3090': 71e12, 'V100': 125e12, 'B200': 2250e12}
 
 
 def matmul_flops(device, dtype, n=None, reps=10):
@@ -156,7 +157,7 @@ def peak_flops(device, dtype):
                       "shapes, so no peak holds; tok/sec is the figure to compare")
     if device.startswith('cuda') and dtype in AUTOCAST_DTYPES:
         name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_FLOPS:  # the longer names first: 'L40' before 'L4'
+        for key, flops in GPU_PEAK_FLOPS.items():  # the longer names first: 'L40' before 'L4'
             if re.search(rf"\b{key}\b", name):
                 return flops, f"{name} datasheet"
     return matmul_flops(device, dtype, n=4096, reps=5), "measured matmul"

@@ -35,7 +35,9 @@ ACTIVATIONS_TIMES = {'cpu': 1.5}  # on a GPU the logits' bytes below are measure
 # autocast's dtype: counted exactly.
 GPU_LOGIT_BYTES = {True: 6, False: 12}  # compiled: bytes
 MAX_B = 64
-plan = {}  # what the start saw, for the out-of-memory line: {'need': B -> bytes, 'free', 'total', 'device'}
+# what the start saw, for the out-of-memory line: {'need': B -> bytes, 'free', 'total', 'device', 'fsdp',
+# 'divisors': the B that divide a rank's share of total_batch_size, up to MAX_B}
+plan = {}
 
 
 def free_and_total(device):
@@ -57,7 +59,7 @@ def free_and_total(device):
         return total, total
 
 
-def saved_bytes(model_config, B, T, dtype, n_layer=None, head=False):
+def saved_bytes(model_config, B, T, dtype, head=False):
     """Bytes autograd saves in one forward of B sequences of T tokens, counted on fake tensors: the
     blocks and the final layer norm (hidden_states), or with head the whole CPU training forward."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -69,7 +71,7 @@ def saved_bytes(model_config, B, T, dtype, n_layer=None, head=False):
             saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
         return t
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = GPT(dataclasses.replace(model_config, n_layer=n_layer or model_config.n_layer))
+        model = GPT(model_config)
         x = torch.zeros(B, T, dtype=torch.long)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype != 'float32'):  # fp16 saves as bf16
@@ -81,12 +83,16 @@ def activations(model_config, T, dtype, device, compiled):
     """(fixed, per_sequence): the activations of a micro-batch of B sequences are fixed + B * per_sequence
     bytes: the blocks' as counted (1 and 2 blocks at B = 1 and 2: every block saves the same) and the
     loss's over the logits, as the device's path keeps them (see GPU_LOGIT_BYTES)."""
-    at = {(n, b): saved_bytes(model_config, b, T, dtype, n_layer=n) for n in (1, 2) for b in (1, 2)}
-    blocks = {b: at[1, b] + (model_config.n_layer - 1) * (at[2, b] - at[1, b]) for b in (1, 2)}
-    cpu = torch.device(device).type == 'cpu'
-    logit = (4 if dtype == 'float32' else 2) if cpu else GPU_LOGIT_BYTES[bool(compiled)]
+    def blocks(B):  # all n_layer blocks at B: the first block, and the second one's bytes for each other
+        one, two = (saved_bytes(dataclasses.replace(model_config, n_layer=n), B, T, dtype) for n in (1, 2))
+        return one + (model_config.n_layer - 1) * (two - one)
+    b1 = blocks(1)
+    b2 = blocks(2)
+    logit = GPU_LOGIT_BYTES[bool(compiled)]
+    if torch.device(device).type == 'cpu':  # the fused loss keeps the logits in autocast's dtype
+        logit = 4 if dtype == 'float32' else 2
     loss = T * (model_config.vocab_size * logit + model_config.n_embd * 4)  # the logits, and the float32 h
-    return 2 * blocks[1] - blocks[2], blocks[2] - blocks[1] + loss
+    return 2 * b1 - b2, b2 - b1 + loss
 
 
 def estimate(model_config, T, dtype, device, compiled, world=1, fsdp=False):
@@ -94,7 +100,8 @@ def estimate(model_config, T, dtype, device, compiled, world=1, fsdp=False):
     state = parameter_count(model_config) * (16 / world + 4 if fsdp else 16)
     kind = torch.device(device).type
     fixed, per_seq = activations(model_config, T, dtype, device, compiled)
-    times, overhead = ACTIVATIONS_TIMES.get(kind, 1), OVERHEAD.get(kind, OVERHEAD['cuda'])
+    times = ACTIVATIONS_TIMES.get(kind, 1)
+    overhead = OVERHEAD.get(kind, OVERHEAD['cuda'])
     return lambda B: state + times * (fixed + B * per_seq) + overhead
 
 
@@ -113,19 +120,21 @@ def micro_batch(c, model_config, device, world=1, free=None):
     rank, and the line that says why. Every rank calls it; plan keeps what it saw."""
     B, T, fsdp = c['B'], c['T'], c['parallel'] == 'fsdp' and world > 1  # one process: FSDP is off
     # counted when first asked: at the start for "auto", else only if memory runs out (it takes ~1 s)
-    compiled = c['compile'] is True
-    counted = functools.cache(lambda: estimate(model_config, T, c['dtype'], device, compiled, world, fsdp))
+    counted = functools.cache(lambda: estimate(model_config, T, c['dtype'], device, c['compile'] is True,
+                                               world, fsdp))
+    need = lambda b: counted()(b)  # bytes at B = b
     free, total = free_and_total(device) if free is None else (free, free)
-    plan.update(need=lambda b: counted()(b), free=free, total=total, device=device, fsdp=fsdp,
-                share=max(1, c['total_batch_size'] // (T * world)))
+    share = max(1, c['total_batch_size'] // (T * world))  # a rank's sequences per step
+    plan.update(need=need, free=free, total=total, device=device, fsdp=fsdp,
+                divisors=[b for b in range(1, min(MAX_B, share) + 1) if share % b == 0])
     if B != 'auto':
         return B, None
-    need, fits = plan['need'], fitting_B()
+    fits = fitting_B()
     mine = fits or 1
     B = agree(mine, "min")  # the rank with the least memory decides
-    more = min((b for b in _divisors() if b > B), default=None)
-    line = f"B={B} (auto): {need(B) / 1e9:.1f} GB needed of {free / 1e9:.1f} GB free on {device} "
-    line += f"({total / 1e9:.1f} GB)"
+    more = min((b for b in plan['divisors'] if b > B), default=None)
+    line = (f"B={B} (auto): {need(B) / 1e9:.1f} GB needed of {free / 1e9:.1f} GB free on {device} "
+            f"({total / 1e9:.1f} GB)")
     if more:
         line += f", B={more} would need {need(more) / 1e9:.1f}"
     else:
@@ -137,11 +146,11 @@ def micro_batch(c, model_config, device, world=1, free=None):
     return B, line
 
 
-def micro_batch_of(c, device, world=1):
-    """micro_batch for a whole config c with its dtype and compile made concrete (bench.py,
-    gpu_check.py): c with B a number, and the line, printed."""
+def micro_batch_of(c, device):
+    """micro_batch for a whole config c with its dtype and compile made concrete, in one process
+    (bench.py, gpu_check.py): c with B a number, and the line, printed."""
     from model import GPTConfig
-    B, line = micro_batch(c, GPTConfig.from_dict(c), device, world)
+    B, line = micro_batch(c, GPTConfig.from_dict(c), device)
     if line:
         print(line)
     return dict(c, B=B)
@@ -149,11 +158,7 @@ def micro_batch_of(c, device, world=1):
 
 def fitting_B():
     """The largest B, a divisor of the share at most MAX_B, that fits plan's free memory; or 0."""
-    return max((b for b in _divisors() if plan['need'](b) <= HEADROOM * plan['free']), default=0)
-
-
-def _divisors():
-    return [b for b in range(1, min(MAX_B, plan['share']) + 1) if plan['share'] % b == 0]
+    return max((b for b in plan['divisors'] if plan['need'](b) <= HEADROOM * plan['free']), default=0)
 
 
 def examples_per_batch(B, T):
@@ -175,7 +180,7 @@ def out_of_memory(error, B, phase):
     where = f"{plan['device']} ({plan['total'] / 1e9:.1f} GB, {plan['free'] / 1e9:.1f} free at the start)"
     fits = fitting_B()
     if fits >= B:  # the estimate said B fits (fragmentation, another process): the next B down
-        fits = max((b for b in _divisors() if b < B), default=0)
+        fits = max((b for b in plan['divisors'] if b < B), default=0)
         advice = f"the estimate said B={B} fits, so try B={fits}" if fits else "B=1 does not fit"
     else:
         advice = f"B={fits} fits by the estimate" if fits else "even B=1 does not fit by the estimate"

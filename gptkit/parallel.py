@@ -236,10 +236,7 @@ def whole_models(model, raw_model, optimizer, device):
         return (model.module if isinstance(model, DDP) else model), raw_model
     from model import GPT
     optimizer.zero_grad(set_to_none=True)
-    with torch.device('meta'):  # no memory, no random init (the run's RNG stream stays as it was)
-        copy = GPT(raw_model.config)
-    copy.to_empty(device=device)
-    copy.lm_head.weight = copy.transformer.wte.weight  # to_empty unties them
+    copy = GPT.empty(raw_model.config, device)  # no random init: the run's RNG stream stays as it was
     with torch.no_grad():
         targets = dict(copy.named_parameters())
         for name, p in raw_model.named_parameters():

@@ -27,11 +27,12 @@ def git_state():
     to name is the commit's hash, with '-dirty' after it when a tracked file differs from it."""
     try:
         r = subprocess.run(['git', '--no-optional-locks', '-C', CODE_DIR, 'describe', '--always', '--dirty',
-                            '--abbrev=40', '--exclude=*'], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):  # no git installed
+                            '--abbrev=40', '--exclude=*'], capture_output=True, text=True, timeout=10,
+                           check=True)
+    except (OSError, subprocess.SubprocessError):  # no git installed, not a checkout, or a timeout
         return None, None
     commit, _, dirty = r.stdout.strip().partition('-')
-    return (commit, bool(dirty)) if r.returncode == 0 else (None, None)
+    return commit, bool(dirty)
 
 
 def device_name(device):

