@@ -104,9 +104,9 @@ def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1, on
                                 f"block_size={block_size}")
             # the row, and the position that predicts its first scored token (no context: the first is not)
             rows.append((t[cut:], max(len(ctx) - cut - 1, 0)))
-        cut = max(map(len, full)) > block_size
-        long += cut
-        shared.append(0 if cut else max(len(ctx) - 1, 0))  # context tokens the rows share, less the last
+        too_long = max(map(len, full)) > block_size
+        long += too_long
+        shared.append(0 if too_long else max(len(ctx) - 1, 0))  # context tokens the rows share, less the last
     if long and rank == 0:
         print(f"hellaswag: {long} examples are longer than block_size={block_size}: "
               f"their contexts lose tokens from the left")
@@ -125,14 +125,14 @@ def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1, on
                          for r in range(4)), key=lambda row: len(row[2]))  # (example, row, tokens, position)
         pieces, y, row = [], [], []
         for piece in (ranked[s:s + R] for s in range(0, len(ranked), R)):
-            T = T if one_shape else max(len(t) for *_, t, _ in piece) - P
-            which, x, at = torch.zeros(R, dtype=torch.long), torch.zeros(R, T, dtype=torch.long), []
+            width = T if one_shape else max(len(t) for *_, t, _ in piece) - P
+            which, x, at = torch.zeros(R, dtype=torch.long), torch.zeros(R, width, dtype=torch.long), []
             for r, (k, g, t, p) in enumerate(piece):
                 which[r], x[r, :len(t) - P] = k, torch.tensor(t[P:])
-                at += range(r * T + p - P, r * T + len(t) - 1 - P)
+                at += range(r * width + p - P, r * width + len(t) - 1 - P)
                 y += t[p + 1:]
                 row += [g] * (len(t) - p - 1)
-            pad = M - len(y) if one_shape else 0  # one piece
+            pad = M - len(y) if one_shape else 0  # one_shape: the batch is one piece, padded to M
             pieces.append((which.to(device), x.to(device), torch.tensor(at + [0] * pad, device=device)))
         y, row = torch.tensor(y + [0] * pad), torch.tensor(row + [4 * len(mine)] * pad)
         batches.append((ctx.to(device), pieces, y.to(device), row.to(device)))
