@@ -277,7 +277,7 @@ def main(argv=None):
         sys.exit("interrupted: finished shards are kept; run the same command again to resume")
 
 
-def run(dataset, name, text_column, out_dir, shard_size, num_proc, streaming, max_tokens, demo):
+def run(dataset, name, text_column, out_dir, shard_size, num_proc, streaming=False, max_tokens=0, demo=False):
     out_dir = out_dir or ('demo_stdlib' if demo else 'edu_fineweb10B')
     shard_size = shard_size or (500_000 if demo else 100_000_000)
     if shard_size <= 0 or max_tokens < 0 or num_proc <= 0:

@@ -12,7 +12,6 @@ figures compare with its published ones.
 """
 import argparse
 import contextlib
-import functools
 import http.client
 import json
 import os
@@ -111,9 +110,9 @@ def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1, on
         print(f"hellaswag: {long} examples are longer than block_size={block_size}: "
               f"their contexts lose tokens from the left")
     mine, E = sorted(range(len(examples)), key=shared.__getitem__)[rank::world], batch_examples
-    R = 4 * E if one_shape else E
-    if one_shape:  # the longest row, and the most tokens scored in a batch
-        T = max(len(rows[4 * j + r][0]) for j in mine for r in range(4))
+    R = E
+    if one_shape:  # rows in one piece, as long as the longest; as many scored tokens as the most in a batch
+        R, T = 4 * E, max(len(rows[4 * j + r][0]) for j in mine for r in range(4))
         scored = [sum(len(t) - p - 1 for t, p in rows[4 * j:4 * j + 4]) for j in mine]
         M = max(sum(scored[i:i + E]) for i in range(0, len(mine), E))
     batches = []
@@ -160,17 +159,12 @@ def batch_losses(model, ctx, pieces, y):
     return torch.logsumexp(logits, dim=1) - logits.gather(1, y[:, None])[:, 0]
 
 
-@functools.cache
-def compiled_batch_losses():
-    return torch.compile(batch_losses, dynamic=False)
-
-
 @torch.no_grad()
 def ending_losses(model, prepared, dtype="float32", compile=False):
     """(sum, mean) losses of every ending of prepare's output (on the model's device), 4 per example
     in its order: each ending token's cross-entropy after the tokens before it, in float32."""
     (batches, labels), device = prepared, model.lm_head.weight.device
-    f = compiled_batch_losses() if compile else batch_losses
+    f = torch.compile(batch_losses, dynamic=False) if compile else batch_losses  # one graph: dynamo keeps it
     sums = torch.zeros(2, 4 * len(labels) + 1, device=device)  # per row: summed losses, scored tokens
     faster = contextlib.nullcontext() if compile else cpu.blocks_through_onednn(model)  # CPU, float32: oneDNN
     with autocast(device, dtype), faster:
@@ -269,8 +263,7 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     from tqdm import tqdm
     batches, labels = prepare(examples, model.config.block_size, device, args.batch_examples)
-    counts = evaluate(model, (tqdm(batches, desc="score"), labels), args.dtype)
-    n, correct, correct_norm = counts.tolist()
+    n, correct, correct_norm = evaluate(model, (tqdm(batches, desc="score"), labels), args.dtype).tolist()
     print(f"acc: {correct / n:.4f} acc_norm: {correct_norm / n:.4f}")
 
 

@@ -31,7 +31,6 @@ rank holds shards, so gptkit/configurator.py refuses optimizer="muon" with paral
 import math
 
 import torch
-import torch.distributed as dist
 
 from gptkit import parallel
 
@@ -103,18 +102,16 @@ class MuonAdamW(torch.optim.Optimizer):
         del self.adamw.found_inf
         device = self.muon.param_groups[0]['params'][0].device
         keep = torch.ones((), dtype=torch.bool, device=device) if found_inf is None else found_inf == 0
-        rank, world = parallel.rank(), parallel.world_size()
         todo = [(p, group) for group in self.muon.param_groups for p in group['params'] if p.grad is not None]
         sizes = [p.numel() for p, _ in todo]
         flat = torch.zeros(sum(sizes), dtype=torch.bfloat16, device=device)
         updates = flat.split(sizes)
         for i, (p, group) in enumerate(todo):
             update = self._momentum(p, group, keep)  # every rank keeps every buffer: checkpoints as before
-            if i % world == rank:  # this rank's share: every world_size-th matrix, from its rank on
+            if i % parallel.world_size() == parallel.rank():  # this rank's share: every world_size-th matrix
                 update = orthogonalize(update, group['ns_coefficients'], group['ns_steps'], group['eps'])
                 updates[i].copy_(update.flatten())
-        if world > 1:  # each update is one rank's, zeros elsewhere: the sum is it, bit for bit, on every rank
-            dist.all_reduce(flat)
+        parallel.sum_over_ranks(flat)  # each update is one rank's, zeros elsewhere: their sum is it, exactly
         for (p, group), update in zip(todo, updates):
             rows, cols = p.shape[:2]  # how torch.optim.Muon scales lr for a matrix of this shape:
             if group['adjust_lr_fn'] == 'match_rms_adamw':  # the update's RMS as AdamW's, so lr carries over

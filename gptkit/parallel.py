@@ -143,6 +143,12 @@ def agree(value, op='max'):
     return type(value)(t.item())
 
 
+def sum_over_ranks(t):
+    """t summed over all ranks, in place, the same on every rank (one process: t as it is)."""
+    if world_size() > 1:
+        dist.all_reduce(t)
+
+
 def gather_objects(obj):
     """[obj of rank 0, of rank 1, ...] on every rank (small picklable objects: names, hosts)."""
     if world_size() == 1:

@@ -193,7 +193,7 @@ class ShardStream:
     their documents anew from (seed, epoch) alone; else files and tokens in order (docs/data.md).
     train_gpt2.DataLoaderLite cuts each step's run into the ranks' micro-batches."""
 
-    def __init__(self, data_root, split, step_tokens, vocab_size, shuffle, seed, say):
+    def __init__(self, data_root, split, step_tokens, vocab_size=None, shuffle=False, seed=1337, say=True):
         self.step_tokens = step_tokens
         self.vocab_size = vocab_size
         self.shuffle = shuffle

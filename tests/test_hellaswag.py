@@ -174,7 +174,6 @@ def test_the_compiled_eval_counts_as_the_eager_one(hf_and_ours):
     examples = make_examples(23, seed=2)
     eager = hellaswag.evaluate(ours, hellaswag.prepare(examples, 64, "cpu", 5))
     torch._dynamo.reset()
-    hellaswag.compiled_batch_losses.cache_clear()
     prepared = hellaswag.prepare(examples, 64, "cpu", 5, one_shape=True)
     assert len({(tuple(x.shape), tuple(at.shape)) for _, [(_, x, at)], _, _ in prepared[0]}) == 1
     with torch._dynamo.config.patch(error_on_recompile=True):
