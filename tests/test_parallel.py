@@ -195,7 +195,7 @@ def test_the_tied_weight_is_gathered_and_saved_once(ddp2, fsdp2):
         assert wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr(), log_dir
 
 
-def test_the_process_group_waits_for_the_first_step_longer_then_collective_timeout(monkeypatch):
+def test_the_process_group_waits_for_the_first_step_longer_than_collective_timeout(monkeypatch):
     """Issue 36.4 (was 27.5, 21.12): the process group's collectives wait up to
     parallel.FIRST_STEP_TIMEOUT (at least collective_timeout) until the first training step is done,
     as ranks compile at their own pace; then, once the ranks have met, collective_timeout. Each limit
