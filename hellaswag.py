@@ -54,7 +54,7 @@ def download(split, cache_dir=CACHE_DIR, url=None):
         atomic_write(path, lambda f: f.write(data))
     except (OSError, http.client.HTTPException) as e:
         raise UserError(f"could not download {url} ({type(e).__name__}: {e}); put hellaswag_{split}.jsonl "
-                        f"in {cache_dir}, or pass its path (--file)") from None
+                        f"in {cache_dir}, or pass a file of your own") from None
     return path
 
 
@@ -185,8 +185,9 @@ def evaluate(model, prepared, dtype="float32", compile=False):
 
 def load_for_training(file, model, batch_examples, device, one_shape=False):
     """For train_gpt2.py's evals: this rank's batches of the val examples (file, else the cached or
-    downloaded split), prepared and on the device once for the whole run; or None after one warning
-    when there are none, the same answer on every rank."""
+    downloaded split), prepared and on the device once for the whole run. A run that cannot score
+    them stops here, before its first step, with one line (a UserError on every rank): HellaSwag is
+    never silently off."""
     from gptkit import parallel  # the trainer's path only: `python hellaswag.py` needs no DDP or FSDP
     examples, why = None, None
     if model.config.vocab_size < N_VOCAB:
@@ -206,10 +207,9 @@ def load_for_training(file, model, batch_examples, device, one_shape=False):
                 raise UserError(f"{path}: no HellaSwag examples in it")
         else:
             why = why or f"{path} not found"
-    if not parallel.agree(examples is not None, 'min'):  # e.g. a node without the file: nobody evaluates
-        if parallel.rank() == 0:
-            print(f"warning: no HellaSwag eval: {why or 'not on every node'}; training goes on without it")
-        return None
+    if not parallel.agree(examples is not None, 'min'):  # e.g. a node without the file: every rank stops
+        raise UserError(f"no HellaSwag eval: {why or 'not on every node'}; pass --hellaswag_file=PATH "
+                        f"(a HellaSwag val jsonl file) or --hellaswag=False")
     return prepare(examples, model.config.block_size, device, batch_examples, parallel.rank(),
                    parallel.world_size(), one_shape)
 

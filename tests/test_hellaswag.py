@@ -285,8 +285,8 @@ def test_synthetic_examples_are_what_write_synthetic_writes(tmp_path):
         "b6d28b7768d39827d5e4e9215bb674221a90f44220e790a0c3bd5a6e1645f1ce"
 
 
-def test_load_for_training_in_one_process(tmp_path, hf_and_ours, capsys):
-    """The examples of the file, prepared; else None and one warning that says why."""
+def test_load_for_training_in_one_process(tmp_path, hf_and_ours):
+    """The examples of the file, prepared; else one line that says why and what to pass."""
     _, ours = hf_and_ours
     write_file(tmp_path / "h.jsonl", make_examples(3))
     got = hellaswag.load_for_training(str(tmp_path / "h.jsonl"), ours, 2, "cpu")
@@ -294,13 +294,14 @@ def test_load_for_training_in_one_process(tmp_path, hf_and_ours, capsys):
     assert hellaswag.evaluate(ours, got).tolist() == hellaswag.evaluate(ours, want).tolist()
     flat = lambda prepared: [t.tolist() for t in torch.utils._pytree.tree_leaves(prepared)]
     assert flat(got) == flat(want)
-    assert hellaswag.load_for_training(str(tmp_path / "missing.jsonl"), ours, 2, "cpu") is None
-    assert capsys.readouterr().out == (f"warning: no HellaSwag eval: {tmp_path / 'missing.jsonl'} not found; "
-                                       f"training goes on without it\n")
+    advice = "; pass --hellaswag_file=PATH (a HellaSwag val jsonl file) or --hellaswag=False"
+    with pytest.raises(UserError) as e:
+        hellaswag.load_for_training(str(tmp_path / "missing.jsonl"), ours, 2, "cpu")
+    assert str(e.value) == f"no HellaSwag eval: {tmp_path / 'missing.jsonl'} not found" + advice
     small = GPT(GPTConfig(block_size=16, vocab_size=300, n_layer=1, n_head=1, n_embd=8))
-    assert hellaswag.load_for_training(str(tmp_path / "h.jsonl"), small, 2, "cpu") is None
-    assert capsys.readouterr().out == ("warning: no HellaSwag eval: vocab_size=300 is smaller than GPT-2's "
-                                       "50257; training goes on without it\n")
+    with pytest.raises(UserError) as e:
+        hellaswag.load_for_training(str(tmp_path / "h.jsonl"), small, 2, "cpu")
+    assert str(e.value) == "no HellaSwag eval: vocab_size=300 is smaller than GPT-2's 50257" + advice
 
 
 def test_onednn_routing_is_undone_on_the_way_out():
