@@ -5,8 +5,14 @@ gptkit/parallel.py (and the trainer's own, in the open); one user-error class; G
 size written once."""
 import ast
 import glob
+import inspect
 import os
 import re
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp
+import torch.distributed.launcher.api
 
 import train_gpt2
 from conftest import ROOT
@@ -99,3 +105,26 @@ def test_one_user_error_class_and_one_home_for_the_vocabulary_size():
                if isinstance(c, ast.ClassDef) and c.name.endswith("Error")]
     assert classes == ["gptkit/common.py:UserError"]
     assert len([p for p in PROJECT if re.search(r"5025[67]", open(p).read())]) <= 2
+
+
+# Issue 37.3: what the project relies on from torch, a release that has it, and a check that the
+# installed torch has it. The releases were read in the wheels of torch 2.9.0, 2.10.0, 2.11.0 and
+# 2.12.0 (2026-12-02): all four have the first three, only 2.12.0 the last. requirements.txt's
+# floor is the newest of them: on an older torch a documented feature would silently not work.
+STORE = ("_get_default_store", "_set_pg_timeout")
+TORCH_FLOOR = [
+    ("torch.optim.Muon with adjust_lr_fn (optimizer='muon')", (2, 9), lambda: torch.optim.Muon),
+    ("FSDP2's fully_shard, public (parallel='fsdp')", (2, 9), lambda: torch.distributed.fsdp.fully_shard),
+    ("the process group's store and timeout (parallel.wait_for_all, hold_to)", (2, 9),
+     lambda: all(hasattr(dist.distributed_c10d, f) for f in STORE) and dist.DistStoreError),
+    ("torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT (scripts/slurm_train.sh; pytorch PR #172596)", (2, 12),
+     lambda: "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in inspect.getsource(torch.distributed.launcher.api)),
+]
+
+
+def test_requirements_torch_floor_is_the_newest_feature_the_project_uses():
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        floor = re.search(r"^torch>=(\d+)\.(\d+)", f.read(), re.M).groups()
+    assert tuple(map(int, floor)) == max(since for _, since, _ in TORCH_FLOOR)
+    missing = [what for what, _, has in TORCH_FLOOR if not has()]
+    assert not missing, f"torch {torch.__version__} lacks {missing}"
