@@ -1,7 +1,7 @@
 #!/bin/bash
 # GPT-2 on N nodes x 8 GPUs under SLURM. Submit from the project's folder:
 #
-#     sbatch --nodes=4 scripts/slurm_train.sh config/gpt2_350M.py --parallel=fsdp
+#     sbatch --nodes=4 scripts/slurm_train.sh config/gpt2_350M.py   # DDP: every preset fits 80 GB (docs/fsdp.md)
 #
 # Each node runs one torchrun agent (srun: one task per node), which starts one worker per GPU;
 # the agents meet through c10d rendezvous on the first node, port $MASTER_PORT (29500 unless set:
