@@ -1,7 +1,7 @@
 #!/bin/bash
 # GPT-2 on N nodes x 8 GPUs under SLURM. Submit from the project's folder:
 #
-#     sbatch --nodes=4 scripts/slurm_train.sh config/gpt2_350M.py   # DDP: every preset fits 80 GB (docs/fsdp.md)
+#     sbatch --nodes=4 scripts/slurm_train.sh config/gpt2_350M.py   # DDP: fits 80 GB (docs/fsdp.md)
 #
 # Each node runs one torchrun agent (srun: one task per node), which starts one worker per GPU;
 # the agents meet through c10d rendezvous on the first node, port $MASTER_PORT (29500 unless set:
@@ -45,7 +45,8 @@ stop() {
 trap 'stop "the time limit"' USR1
 trap 'stop scancel' TERM
 
-# srun no longer passes --cpus-per-task on to its tasks (Slurm 22.05): without it the 8 workers can share one core
+# srun no longer passes --cpus-per-task on to its tasks (Slurm 22.05): without it the 8 workers
+# can share one core
 srun --kill-on-bad-exit=0 --cpus-per-task="${SLURM_CPUS_PER_TASK:-8}" python -m torch.distributed.run \
     --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$gpus" --max-restarts=3 \
     --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$head_node:${MASTER_PORT:-29500}" \
