@@ -210,15 +210,16 @@ def measure(argv, role):
 
 def print_flops(c, device, tok_per_s):
     """The model FLOPs per token of c's model and the FLOP/s that tok_per_s achieves; on a GPU also
-    the MFU against the device's matmul rate in c's dtype, measured now (on a CPU no peak holds:
-    gptkit/hardware.py). gpu_check.py prints the same lines."""
+    the matmul fraction: that over the device's matmul rate in c's dtype, measured now (MFU, the
+    console's, is over the datasheet's peak; on a CPU no peak holds: gptkit/hardware.py).
+    gpu_check.py prints the same lines."""
     fpt = flops_per_token(GPTConfig.from_dict(c), c['T'])
     print(f"model FLOPs/token: {fpt / 1e6:.1f} MFLOP")
     print(f"achieved: {tok_per_s * fpt / 1e12:.3f} TFLOP/s")
     if device != 'cpu':
         peak = matmul_flops(device, c['dtype'])
         print(f"device matmul ({c['dtype']}): {peak / 1e12:.3f} TFLOP/s, measured now")
-        print(f"MFU vs that matmul: {tok_per_s * fpt / peak:.3f}")
+        print(f"matmul fraction (achieved / that matmul; not MFU): {tok_per_s * fpt / peak:.3f}")
 
 
 def bench_step(c, argv, device):

@@ -7,7 +7,8 @@ Runs `torchrun --standalone --nproc_per_node=1 train_gpt2.py` (NCCL on CUDA) wit
 124M config, dtype="auto" (bf16 from Ampere on, float16 with loss scaling before; --dtype=float16
 checks the loss scaling on any GPU) and compile=True, for 30 steps on random-token shards written to
 a temporary folder, then prints the trainer's tok/s (median of the steps after compilation) and the
-model FLOPs utilisation against this GPU's bf16 matmul rate, measured in the same run. Extra
+matmul fraction: the model FLOP/s over this GPU's bf16 matmul rate, measured in the same run (the
+trainer's console prints MFU, over the datasheet's peak: docs/benchmarks.md). Extra
 --key=value arguments go to the trainer too (e.g. --B=32 on a smaller GPU).
 
 Then the resume path on the GPU (CUDA RNG state, fused AdamW state, NCCL): the run's checkpoint

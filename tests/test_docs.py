@@ -115,10 +115,11 @@ def test_one_gpt2_hellaswag_baseline_with_its_source():
 
 
 def test_slurm_lead_time_is_one_figure():
-    """Issue 21.11: the SLURM signal's lead time is the same everywhere it is written."""
+    """Issue 21.11: the SLURM signal's lead time is the same everywhere it is written (TERM@300 to
+    the steps before issue 37, B:USR1@300 to the batch script since)."""
     docs = glob.glob(os.path.join(ROOT, "docs", "*.md"))
     texts = [read("README.md"), read("scripts", "slurm_train.sh")] + [open(p).read() for p in docs]
-    assert {m for t in texts for m in re.findall(r"TERM@(\d+)", t)} == {"300"}
+    assert {m for t in texts for m in re.findall(r"(?:B:)?(?:TERM|USR1)@(\d+)", t)} == {"300"}
 
 
 def readme_commands():
@@ -248,3 +249,103 @@ def test_fsdp_memory_table_matches_a_count():
 def test_readme_is_a_newcomers_page():
     """At most 12,000 characters: the depth lives in docs/."""
     assert len(read("README.md")) <= 12000, len(read("README.md"))
+
+
+def flat(text):
+    """The text with its line breaks and runs of spaces made single spaces (docs wrap anywhere)."""
+    return " ".join(text.split())
+
+
+def test_planning_figures_have_one_home_and_agree():
+    """Issue 37.5: the figures a user plans by, each computed or measured at one home and the same
+    wherever it is repeated. MFU has one definition, the console's (the GPU's datasheet peak,
+    gptkit/hardware.py): benchmarks.md's MFUs are its measured tok/s over the H200's peak, its ratios
+    to a timed matmul are the "matmul fraction", and no doc calls one of those MFU. The default
+    run's 8-GPU time (benchmarks.md, computed from the H200's tok/s and llm.c's step) is what the
+    README, config/gpt2_124M.py and ddp.md repeat; the raw download (data.md), a checkpoint's bytes
+    per parameter (fsdp.md, counted here), compile's start (benchmarks.md) and the default run's
+    target (recipes.md) likewise."""
+    import torch
+    import plot
+    import train_gpt2
+    from gptkit.configurator import parse_config
+    from gptkit.hardware import GPU_PEAK_FLOPS
+    from model import GPT, GPTConfig, flops_per_token
+    bench, readme = flat(read("docs", "benchmarks.md")), read("README.md")
+    c = parse_config([os.path.join(ROOT, "config", "gpt2_124M.py")], train_gpt2.DEFAULTS)
+    fpt, peak = flops_per_token(GPTConfig.from_dict(c), c["T"]), GPU_PEAK_FLOPS["H200"]
+
+    def figure(pattern, text=bench):
+        return re.search(pattern, text).groups()
+
+    def num(text):
+        return float(text.replace(",", ""))
+
+    # MFU: the console's definition; the ratio to a timed matmul by its own name
+    tok = num(figure(r"median of steps 10-29 \| \*\*([\d,]+)\*\*")[0])
+    achieved, mfu = map(float, figure(r"\| ([\d.]+) TFLOP/s; \*\*MFU ([\d.]+)\*\* \(computed"))
+    assert round(tok * fpt / 1e12, 1) == achieved and round(tok * fpt / peak, 3) == mfu == 0.458
+    matmul, fraction = map(float, figure(r"8192\^3 matmul timed at ([\d.]+) TFLOP/s\) \| ([\d.]+) \|"))
+    assert round(achieved / matmul, 3) == fraction
+    bench_tok, bench_mfu = figure(r"\| ([\d,]+), ([\d.]+) \(computed\), [\d.]+, [\d,]+ MiB allocated")
+    fsdp_tok, fsdp_mfu = figure(r"\| ([\d,]+) tok/s \(MFU ([\d.]+), computed; matmul fraction")
+    for t, m in ((bench_tok, bench_mfu), (fsdp_tok, fsdp_mfu)):
+        assert round(num(t) * fpt / peak, 3) == float(m), (t, m)
+    mfus = {f"{mfu:.3f}", bench_mfu, fsdp_mfu}
+    for path in ["README.md", *glob.glob(os.path.join(ROOT, "docs", "*.md"))]:
+        for value in re.findall(r"MFU:? (0\.\d+)", read(path)):
+            assert value in mfus, (path, value, mfus)  # never a matmul fraction called MFU
+    assert "the **matmul fraction**" in bench and "[datasheet peak](docs/benchmarks.md#mfu)" in readme
+
+    # the default run on 8 GPUs: computed in benchmarks.md, repeated in the README, the preset, ddp.md
+    steps, tokens = c["max_steps"], c["total_batch_size"]
+    step_s = tokens / (8 * tok)
+    assert (f"take a {tokens:,}-token step in {step_s:.3f} s and the {steps:,} steps in "
+            f"**{steps * step_s / 60:.0f} minutes**") in bench
+    llmc_ms = int(figure(r"\((\d+) ms per 0\.5M-token step\); at that rate")[0])
+    assert f"take **{steps * llmc_ms / 1000 / 60:.1f} minutes**" in bench
+    span = f"{step_s:.2f}-{llmc_ms / 1000:.2f} s"
+    assert f"**{span} on 8 GPUs**" in bench
+    assert f"a 124M step of {span} on 8 GPUs" in flat(read("docs", "ddp.md"))
+    evals = sum(1 for s in range(steps + 1) if s % c["eval_interval"] == 0 or s == steps
+                or (s > 0 and s % c["checkpoint_interval"] == 0))
+    assert f"The {evals} evals, shared by the 8 ranks" in bench and f"its {evals} evals" in bench
+    assert "Plan on about 45 minutes" in bench
+    assert "19,073 steps, ~45 min (computed)" in readme and "its ~45 min on 8 GPUs are" in readme
+    assert "# About 45 minutes on 8 H100s or H200s (computed" in read("config", "gpt2_124M.py")
+
+    # compile's start: measured on the H200, repeated in precision.md and in the 8-GPU time
+    first = figure(r"\| first step, compilation included \| ([\d.]+) s and ([\d.]+) s")
+    precision = flat(read("docs", "precision.md"))
+    assert "{} s and {} s on an H200".format(*first) in precision and "the minute it takes" not in precision
+    assert "compilation {}-{} s".format(*first) in bench
+
+    # the raw FineWeb-Edu download: data.md's computed figure, in the README too
+    data = flat(read("docs", "data.md"))
+    files, size = figure(r"computed: (\d+) parquet files of about ([\d.]+) GB each", data)
+    download = f"{int(files) * float(size):.0f} GB"
+    assert f"the download is **about {download}**" in data and f"from a {download} download" in readme
+    assert "`$HF_HOME/hub`" in data and "`HF_DATASETS_CACHE`" in data and "`--streaming`" in data
+
+    # a checkpoint holds 12 bytes a parameter (float32 weights, AdamW's two moments), counted here
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    opt = model.configure_optimizers(0.1, 1e-3, "cpu")
+    model(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))[1].backward()
+    opt.step()
+    tensors = [*model.state_dict().values()] + [t for s in opt.state_dict()["state"].values()
+                                                 for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+    tied = model.transformer.wte.weight  # state_dict names the tied weight twice: one storage
+    held = sum(t.numel() * t.element_size() for t in tensors) - tied.numel() * tied.element_size()
+    assert held / sum(p.numel() for p in model.parameters()) == 12
+    xl = num(figure(r"\| `gpt2_1558M.py` \| ([\d.]+)M \|", read("docs", "fsdp.md"))[0]) * 1e6
+    fsdp = flat(read("docs", "fsdp.md"))
+    assert "(12 bytes per parameter:" in fsdp and f"{xl * 12 / 1e9:.0f} GB at 1.5B, about 84 GB at 7B" in fsdp
+    assert "(1.5 GB each: 12 bytes a parameter" in bench
+
+    # the default run's target: recipes.md, with its sources; the README and the preset repeat it
+    target, loss = flat(read("docs", "recipes.md")), plot.REFERENCE["loss"][0][0]
+    assert f"**val loss below {loss}**" in target and "**HellaSwag acc_norm about 0.30**" in target
+    assert "29.9%" in target and "llm.c" in target
+    assert f"should end below {loss} val loss" in readme and "near 0.30 HellaSwag" in readme
+    assert f"target: val loss below {loss}, HellaSwag near 0.30" in read("config", "gpt2_124M.py")
