@@ -8,7 +8,8 @@ it: a process of its own, with the command's argv, working folder, environment, 
 code, and stdout/stderr at file descriptors 1 and 2, as the real command has. What differs: the
 interpreter's teardown is skipped (os._exit after flushing; nothing of ours needs it: every file
 that matters is closed and renamed before main returns). Two things cannot be had in a fork,
-so a command that needs them runs as a real subprocess: variables read when torch is imported
+so a command that needs them runs as a real subprocess (and every command does under a CUDA or ROCm
+build of torch: gpu_build): variables read when torch is imported
 (a command whose environment changes anything but RUNTIME_ENV), and more than one thread (the
 command must set OMP_NUM_THREADS=1: OpenMP's pool of threads is not in the fork, and a parallel
 region would wait on it forever). torchrun's workers are always fresh interpreters, as in
@@ -39,12 +40,23 @@ FORKABLE_KW = {"cwd", "env", "stdout", "stderr", "text", "start_new_session", "c
 PIPE, STDOUT = subprocess.PIPE, subprocess.STDOUT
 
 
+def gpu_build():
+    """Whether the installed torch is a CUDA or ROCm build. Its autograd engine starts threads that a
+    fork does not have: once this process has run a backward, a forked command's backward stops with
+    "Unable to handle autograd's threading in combination with fork-based multiprocessing" (seen with
+    torch 2.12.0+cu130 on a machine without a GPU). Such a build runs every command as a subprocess."""
+    import torch
+    return bool(torch.version.cuda or torch.version.hip)
+
+
 def forkable(cmd, kw):
     """Whether subprocess's cmd and keyword arguments can run as a fork: [sys.executable, then a
     script, -c code or -m torch.distributed.run, ...], in an environment that changes nothing
     read at import, with no more than stdout/stderr (PIPE, STDOUT)/cwd/text/start_new_session/timeout
     asked for."""
     if len(cmd) < 2 or cmd[0] != sys.executable or not set(kw) <= FORKABLE_KW:
+        return False
+    if gpu_build():  # autograd's device threads: after a backward here, a fork's backward refuses to run
         return False
     if kw.get("stdout") not in (None, PIPE) or kw.get("stderr") not in (None, PIPE, STDOUT):
         return False

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import torch
+
 import forked
 from conftest import ROOT, one_thread
 
@@ -43,9 +45,13 @@ def test_a_fork_runs_a_command_as_python_does(name):
         assert got[1] == -signal.SIGINT
 
 
-def test_what_a_fork_cannot_have_runs_as_a_subprocess(tmp_path):
-    """More than one thread, a variable read at import, a script beside modules of its own."""
+def test_what_a_fork_cannot_have_runs_as_a_subprocess(tmp_path, monkeypatch):
+    """More than one thread, a variable read at import, a script beside modules of its own, and any
+    command under a GPU build of torch (its autograd threads do not survive a fork)."""
     cmd = [sys.executable, "-c", "print(1)"]
+    with monkeypatch.context() as m:
+        m.setattr(torch.version, "cuda", "13.0")
+        assert not forked.forkable(cmd, dict(env=one_thread()))
     (tmp_path / "script.py").write_text("print(1)")
     assert forked.forkable([sys.executable, str(tmp_path / "script.py")], dict(env=one_thread()))
     (tmp_path / "model.py").write_text("")  # another checkout's: this process holds ours
