@@ -195,7 +195,7 @@ def load_for_training(file, model, batch_examples, device, one_shape=False):
     else:
         path = file or os.path.join(CACHE_DIR, 'hellaswag_val.jsonl')
         # once per node, as nodes may not share ./hellaswag/; on a shared folder each rename is atomic
-        if not file and int(os.environ.get('LOCAL_RANK', 0)) == 0:
+        if not file and parallel.first_on_node():
             try:
                 download('val')  # nothing to do once cached
             except UserError as e:

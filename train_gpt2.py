@@ -28,9 +28,9 @@ from gptkit.configurator import accumulation_steps, parse_config
 from gptkit.cpu import reuse_freed_memory
 from gptkit.hardware import autocast, choose_precision, peak_flops, pick_device, pinned
 from gptkit.optim import get_lr
-from gptkit.parallel import (agree, clip_grad_norm, end_process_group, first_step_timeout, gave_up, hold_to,
-                             require_backward_grad_sync, restart_store, shard_fsdp, state_mib, wait_for_all,
-                             whole_models, world_size, wrap_ddp, zero_grad)
+from gptkit.parallel import (agree, clip_grad_norm, end_process_group, first_on_node, first_step_timeout,
+                             gave_up, hold_to, require_backward_grad_sync, restart_store, shard_fsdp,
+                             state_mib, wait_for_all, whole_models, world_size, wrap_ddp, zero_grad)
 from gptkit.parallel import rank as process_rank
 from gptkit.shards import ShardStream, find_shards, load_val_tokens
 from gptkit.tokenizer import token_byte_lengths, utf8_bytes
@@ -368,7 +368,7 @@ def build_model(ckpt, ckpt_path):
     elif init_from == 'scratch':
         model = GPT(GPTConfig.from_dict(config))
     else:
-        first = int(os.environ.get('LOCAL_RANK', 0)) == 0  # downloads into this node's HF cache first
+        first = first_on_node()  # downloads into this node's HF cache while the others wait
         try:
             if first:
                 model = GPT.from_pretrained(init_from)

@@ -92,6 +92,12 @@ def hold_to(collective_timeout):
     waiting = f'collective_timeout={collective_timeout}'
 
 
+def first_on_node():
+    """Whether this process is its node's first (torchrun's LOCAL_RANK 0, or no torchrun): the one that
+    downloads into the node's caches while the others wait in wait_for_all, as nodes may not share them."""
+    return int(os.environ.get('LOCAL_RANK', 0)) == 0
+
+
 def wait_for_all():
     """A barrier after a phase where ranks work apart (rank 0 writing a checkpoint, downloading, every
     rank reading a checkpoint), for up to WAIT_FOR_ALL_TIMEOUT, however short collective_timeout is.

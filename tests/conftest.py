@@ -37,15 +37,16 @@ def one_thread(**extra):
     return dict(os.environ, OMP_NUM_THREADS="1", **extra)
 
 
-def run_script(args, nproc=None, timeout=300):
-    """Run train_gpt2.py as a user would: plain python, or real torchrun with nproc processes
-    (the one, or torchrun's launcher, forked from this process: forked.py)."""
-    env = one_thread(PYTHONUNBUFFERED="1")
+def run_script(args, nproc=None, timeout=300, script="train_gpt2.py", **env):
+    """Run train_gpt2.py (or a script that wraps it, with more environment variables) as a user would:
+    plain python, or real torchrun with nproc processes (the one, or torchrun's launcher, forked from
+    this process: forked.py)."""
+    env = one_thread(PYTHONUNBUFFERED="1", **env)
     if nproc is None:
-        cmd = [sys.executable, "train_gpt2.py", *args]
+        cmd = [sys.executable, script, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "train_gpt2.py", *args]
+               script, *args]
     return forked.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

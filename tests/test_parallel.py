@@ -256,13 +256,10 @@ def test_init_from_gpt2_is_downloaded_by_one_rank_the_others_read_it(data, tmp_p
     downloading it at once before the first collective that needs them all. The run then trains."""
     (tmp_path / "hub.py").write_text(FAKE_HUB)
     (tmp_path / "cache").mkdir()
-    env = one_thread(PYTHONUNBUFFERED="1", PYTHONPATH=ROOT, HF_CACHE=str(tmp_path / "cache"),
-                     DOWNLOADS=str(tmp_path / "downloads"))
     run_args = args(data, tmp_path / "log", "--init_from=gpt2", "--max_steps=2", "--eval_interval=0",
                     "--checkpoint_interval=0")
-    r = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    str(tmp_path / "hub.py"), *run_args], cwd=ROOT, env=env, capture_output=True, text=True,
-                   timeout=300)
+    r = run_script(run_args, nproc=2, script=str(tmp_path / "hub.py"), PYTHONPATH=ROOT,
+                   HF_CACHE=str(tmp_path / "cache"), DOWNLOADS=str(tmp_path / "downloads"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "downloads").read_text().splitlines() == ["rank 0"]
     assert sorted(read_log(tmp_path / "log")["train"]) == [0, 1]
@@ -288,12 +285,9 @@ def test_fsdp_eval_copy_is_gone_during_training(data, tmp_path):
     collector before every training step of both ranks, evals at steps 0, 4, 8, ...: one GPT (the
     sharded one) each time."""
     (tmp_path / "probe.py").write_text(PROBE.format(root=ROOT))
-    env = one_thread(PYTHONUNBUFFERED="1")
     run_args = args(data, tmp_path / "log", "--parallel=fsdp", "--max_steps=10", "--eval_interval=4",
                     "--checkpoint_interval=0")
-    r = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    str(tmp_path / "probe.py"), *run_args], cwd=ROOT, env=env, capture_output=True, text=True,
-                   timeout=300)
+    r = run_script(run_args, nproc=2, script=str(tmp_path / "probe.py"))
     assert r.returncode == 0, r.stderr[-3000:]
     counts = re.findall(r"live GPTs: (\d+)", r.stdout)
     assert len(counts) == 2 * 10 and set(counts) == {"1"}, counts

@@ -481,8 +481,8 @@ def test_export_racing_another_writer_is_one_line(exported, tmp_path, monkeypatc
 def test_export_tokenizer_is_tiktokens_gpt2(exported, enc):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(exported[1])
-    for text in ["Hello, I'm a language model,", "  two spaces\tand\nnewlines ", "héllo wörld 日本語 🤖",
-                 "<|endoftext|>"]:
+    for text in ["Hello, I'm a language model,", "  two spaces\tand\nnewlines ",
+                 "héllo wörld 日本語 🤖", "<|endoftext|>"]:
         assert tok(text)["input_ids"] == enc.encode(text, allowed_special="all"), text
         assert tok.decode(tok(text)["input_ids"]) == text
     assert tok.eos_token_id == 50256
