@@ -82,77 +82,52 @@ def iterate_examples(split="val", file=None, cache_dir=CACHE_DIR):
             yield example
 
 
-def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1, one_shape=False):
+def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1):
     """Rank's share of the examples, made once on the host into what ending_losses takes, on device:
-    (batches, labels). The examples are sorted by context length and dealt to the ranks in turn,
-    E = batch_examples to a batch: ctx (E, P), the first P tokens of their contexts; pieces of R rows
-    sorted by length, each (which (R,), the example of each row, x (R, T), the rows' tokens after the
-    first P, right-padded, at (m,), the positions in x.view(-1) that predict ending tokens); y (M,),
-    those tokens, piece after piece; row (M,), the row of each among all of the rank's (4 *
-    len(labels): padding). R = E; with one_shape, R = 4E, P = 0, and every batch has one shape: one
-    compiled graph. A row longer than block_size loses context tokens from the left; its ending
-    must fit."""
-    enc, rows, shared, long = get_gpt2_encoding(), [], [], 0
+    (batches, labels). Examples are dealt to the ranks in turn, E = batch_examples to a batch, and
+    every batch has one shape (one compiled graph): x (4E, T), the 4 rows of each example (its context
+    and an ending) right-padded to the longest row of all, at (M,), the positions in x.view(-1) that
+    predict ending tokens, y (M,), those tokens, and row (M,), the row of each among all of the rank's
+    (4 * len(labels): padding, as M is the most that a batch scores). A row longer than block_size
+    loses context tokens from the left; its ending must fit."""
+    enc, rows, long = get_gpt2_encoding(), [], 0
     for example in examples:
         ctx = enc.encode(example['ctx'])
-        full = [ctx + enc.encode(" " + ending) for ending in example['endings']]  # as build-nanogpt renders
-        for t in full:
+        long += any(len(ctx + enc.encode(" " + e)) > block_size for e in example['endings'])
+        for ending in example['endings']:
+            t = ctx + enc.encode(" " + ending)  # as build-nanogpt renders it
             cut = max(0, len(t) - block_size)
             if cut > len(ctx):
                 raise UserError(f"an ending of {len(t) - len(ctx)} tokens does not fit in "
                                 f"block_size={block_size}")
-            # the row, and the position that predicts its first scored token (no context: the first is not)
-            rows.append((t[cut:], max(len(ctx) - cut - 1, 0)))
-        too_long = max(map(len, full)) > block_size
-        long += too_long
-        shared.append(0 if too_long else max(len(ctx) - 1, 0))  # context tokens the rows share, less the last
+            rows.append((t[cut:], max(len(ctx) - cut, 1)))  # the row, and its first scored token (not 0)
     if long and rank == 0:
         print(f"hellaswag: {long} examples are longer than block_size={block_size}: "
               f"their contexts lose tokens from the left")
-    mine, E = sorted(range(len(examples)), key=shared.__getitem__)[rank::world], batch_examples
-    R = E
-    if one_shape:  # rows in one piece, as long as the longest; as many scored tokens as the most in a batch
-        R, T = 4 * E, max(len(rows[4 * j + r][0]) for j in mine for r in range(4))
-        scored = [sum(len(t) - p - 1 for t, p in rows[4 * j:4 * j + 4]) for j in mine]
-        M = max(sum(scored[i:i + E]) for i in range(0, len(mine), E))
+    mine, E = list(range(rank, len(examples), world)), batch_examples
+    T = max((len(rows[4 * j + r][0]) for j in mine for r in range(4)), default=1)
+    scored = [sum(len(t) - s for t, s in rows[4 * j:4 * j + 4]) for j in mine]
+    M = max((sum(scored[i:i + E]) for i in range(0, len(mine), E)), default=0)
     batches = []
     for i in range(0, len(mine), E):
-        P = 0 if one_shape else shared[mine[i]]  # the shortest context of the batch, less its last token
-        ctx = torch.tensor([rows[4 * j][0][:P] for j in mine[i:i + E]] + [[0] * P] * (i + E - len(mine)),
-                           dtype=torch.long)
-        ranked = sorted(((k, 4 * (i + k) + r, *rows[4 * j + r]) for k, j in enumerate(mine[i:i + E])
-                         for r in range(4)), key=lambda row: len(row[2]))  # (example, row, tokens, position)
-        pieces, y, row = [], [], []
-        for piece in (ranked[s:s + R] for s in range(0, len(ranked), R)):
-            width = T if one_shape else max(len(t) for *_, t, _ in piece) - P
-            which, x, at = torch.zeros(R, dtype=torch.long), torch.zeros(R, width, dtype=torch.long), []
-            for r, (k, g, t, p) in enumerate(piece):
-                which[r], x[r, :len(t) - P] = k, torch.tensor(t[P:])
-                at += range(r * width + p - P, r * width + len(t) - 1 - P)
-                y += t[p + 1:]
-                row += [g] * (len(t) - p - 1)
-            pad = M - len(y) if one_shape else 0  # one_shape: the batch is one piece, padded to M
-            pieces.append((which.to(device), x.to(device), torch.tensor(at + [0] * pad, device=device)))
-        y, row = torch.tensor(y + [0] * pad), torch.tensor(row + [4 * len(mine)] * pad)
-        batches.append((ctx.to(device), pieces, y.to(device), row.to(device)))
+        x, at, y, row = torch.zeros(4 * E, T, dtype=torch.long), [], [], []
+        for r, (t, s) in enumerate(rows[4 * j + k] for j in mine[i:i + E] for k in range(4)):
+            x[r, :len(t)] = torch.tensor(t)
+            at += range(r * T + s - 1, r * T + len(t) - 1)  # the position before each ending token
+            y += t[s:]
+            row += [4 * i + r] * (len(t) - s)
+        pad = M - len(y)
+        batches.append((x.to(device), torch.tensor(at + [0] * pad, device=device),
+                        torch.tensor(y + [0] * pad, device=device),
+                        torch.tensor(row + [4 * len(mine)] * pad, device=device)))
     return batches, torch.tensor([examples[j]['label'] for j in mine], device=device)
 
 
-def batch_losses(model, ctx, pieces, y):
+def batch_losses(model, x, at, y):
     """The losses (M,) of the ending tokens y of a batch of prepare's: each one's cross-entropy, in
     float32, after the tokens before it in its row. Shapes fixed by the batch, and no op whose
     output's size depends on the data: nothing waits for the host, and compiled it is one graph."""
-    P, cache, states = ctx.size(1), None, []
-    if P:  # the rows of an example share its context: its first P tokens go through the model once
-        shared = model.new_kv_cache(len(ctx), P)
-        model.hidden_states(ctx, shared)
-    for which, x, at in pieces:
-        if P:  # each row's first P positions, from its example's context
-            cache = model.new_kv_cache(len(x), P + x.size(1))
-            for layer, context in zip(cache, shared):
-                layer[:, :, :, :P] = context[:, which]
-        states.append(model.hidden_states(x, cache, start_pos=P).flatten(0, 1)[at])  # (m, n_embd)
-    h = torch.cat(states)  # the output layer runs only where an ending token is next
+    h = model.hidden_states(x).flatten(0, 1)[at]  # (M, n_embd): the output layer runs only where needed
     if h.is_cpu:  # the CPU's way: the vocabulary in blocks that stay in cache (gptkit/cpu.py)
         return cpu.token_losses(h, model.lm_head.weight, y)
     logits = model.lm_head(h).float()  # (M, vocab)
@@ -168,8 +143,8 @@ def ending_losses(model, prepared, dtype="float32", compile=False):
     sums = torch.zeros(2, 4 * len(labels) + 1, device=device)  # per row: summed losses, scored tokens
     faster = contextlib.nullcontext() if compile else cpu.blocks_through_onednn(model)  # CPU, float32: oneDNN
     with autocast(device, dtype), faster:
-        for ctx, pieces, y, row in batches:
-            losses = f(model, ctx, pieces, y)
+        for x, at, y, row in batches:
+            losses = f(model, x, at, y)
             sums.index_add_(1, row, torch.stack((losses, torch.ones_like(losses))))
     return sums[0, :-1], sums[0, :-1] / sums[1, :-1]
 
@@ -183,24 +158,25 @@ def evaluate(model, prepared, dtype="float32", compile=False):
     return torch.cat((labels.new_tensor([len(labels)]), picks.sum(1)))
 
 
-def load_for_training(file, model, batch_examples, device, one_shape=False):
+def load_for_training(file, model, batch_examples, device):
     """For train_gpt2.py's evals: this rank's batches of the val examples (file, else the cached or
     downloaded split), prepared and on the device once for the whole run. A run that cannot score
     them stops here, before its first step, with one line (a UserError on every rank): HellaSwag is
     never silently off."""
-    from gptkit import parallel  # the trainer's path only: `python hellaswag.py` needs no DDP or FSDP
+    from gptkit import parallel  # the trainer's path only: `python hellaswag.py` needs no process group
     examples, why = None, None
     if model.config.vocab_size < N_VOCAB:
         why = f"vocab_size={model.config.vocab_size} is smaller than GPT-2's {N_VOCAB}"
     else:
         path = file or os.path.join(CACHE_DIR, 'hellaswag_val.jsonl')
-        # once per node, as nodes may not share ./hellaswag/; on a shared folder each rename is atomic
-        if not file and parallel.first_on_node():
+        # once per node (LOCAL_RANK 0), as nodes may not share ./hellaswag/; the others wait for it in the
+        # collective below; on a shared folder each rename is atomic
+        if not file and int(os.environ.get('LOCAL_RANK', 0)) == 0:
             try:
                 download('val')  # nothing to do once cached
             except UserError as e:
                 why = str(e)
-        parallel.wait_for_all()  # each node's download first, however long it takes
+        parallel.agree(0)  # each node's download first, however long (within the first step's timeout)
         if os.path.isfile(path):
             examples = list(iterate_examples(file=path))  # bad data: UserError
             if not examples:  # every rank reads the same file: all stop here, before step 0
@@ -211,7 +187,7 @@ def load_for_training(file, model, batch_examples, device, one_shape=False):
         raise UserError(f"no HellaSwag eval: {why or 'not on every node'}; pass --hellaswag_file=PATH "
                         f"(a HellaSwag val jsonl file) or --hellaswag=False")
     return prepare(examples, model.config.block_size, device, batch_examples, parallel.rank(),
-                   parallel.world_size(), one_shape)
+                   parallel.world_size())
 
 
 def synthetic_examples(n, seed=0):

@@ -13,7 +13,6 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gptkit import cpu
 from gptkit.tokenizer import N_VOCAB
 
 OPENAI_MODELS = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')  # through HF transformers
@@ -140,8 +139,6 @@ class GPT(nn.Module):
         # idx: (B, T) token ids; targets: (B, T) or None, -1 where nothing is to be predicted;
         # reduction='none': the loss of each target, (B, T), 0 where it is -1
         h = self.hidden_states(idx, kv_cache, start_pos)  # (B, T, n_embd)
-        if targets is not None and cpu.fused_loss_applies(h, reduction):  # training on a CPU: gptkit/cpu.py
-            return None, cpu.linear_cross_entropy(h, self.lm_head.weight, targets)  # the CPU's fused loss
         logits = self.lm_head(h)  # (B, T, vocab_size)
         loss = None
         if targets is not None:

@@ -5,37 +5,32 @@ Train GPT-2 on FineWeb-Edu token shards, on one CPU/GPU or many GPUs.
     torchrun --standalone --nproc_per_node=8 train_gpt2.py # one node, 8 GPUs (DDP over NCCL)
     python train_gpt2.py config/NAME.py --max_steps=100 --dtype=float32
 
-One run, top to bottom: the constants (edit them here, or override them with config files and
---key=value arguments); DDP setup from torchrun's environment; the data; the evaluations; one
-training step with gradient accumulation; the loop that evaluates, samples, checkpoints and stops.
-The run's functions read the constants; what other files import takes what it needs as arguments.
-The machinery lives in gptkit/: the other collectives in parallel.py, checkpoints and SIGTERM
-(exit 75) in checkpoint.py, log.txt and run.json in run_record.py. The DDP parts: docs/ddp.md.
+One run, top to bottom, as nanoGPT's train.py: the constants (edit them here, or override them with
+config files and --key=value arguments); DDP setup from torchrun's environment; the model, the data
+and the optimizer; then the loop, which evaluates, samples, checkpoints and takes one optimizer step
+with gradient accumulation per iteration. The machinery each part calls lives in gptkit/: the data in
+shards.py, checkpoints, preemption (SIGTERM: exit 75) and the one-line errors in checkpoint.py, the
+waits between ranks in parallel.py, log.txt and run.json in run_record.py. The DDP parts: docs/ddp.md.
 """
 import math
 import os
 import sys
 import time
+from dataclasses import asdict
 
-import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gptkit import checkpoint, memory, run_record
-from gptkit.checkpoint import TrainState
+from gptkit import checkpoint, run_record
 from gptkit.common import UserError
 from gptkit.configurator import accumulation_steps, parse_config
-from gptkit.cpu import reuse_freed_memory
-from gptkit.hardware import autocast, choose_precision, peak_flops, pick_device, pinned
-from gptkit.optim import get_lr
-from gptkit.parallel import (agree, clip_grad_norm, end_process_group, first_on_node, first_step_timeout,
-                             gave_up, hold_to, require_backward_grad_sync, restart_store, shard_fsdp,
-                             state_mib, wait_for_all, whole_models, world_size, wrap_ddp, zero_grad)
-from gptkit.parallel import rank as process_rank
-from gptkit.shards import ShardStream, find_shards, load_val_tokens
-from gptkit.tokenizer import token_byte_lengths, utf8_bytes
+from gptkit.cpu import fuse_loss, reuse_freed_memory
+from gptkit.hardware import autocast, choose_precision, peak_flops, pick_device
+from gptkit.parallel import agree, first_step_timeout, set_collective_timeout, state_mib
+from gptkit.shards import DataLoaderLite, find_shards, load_val_tokens, val_batches
+from gptkit.tokenizer import N_VOCAB, get_gpt2_encoding, utf8_bytes
 from model import GPT, GPTConfig, flops_per_token
-from sample import training_samples
 
 # -----------------------------------------------------------------------------
 # config: the defaults reproduce GPT-2 124M on 10B tokens of FineWeb-Edu (build-nanogpt's run)
@@ -52,7 +47,7 @@ block_size = 1024  # longest sequence the model can see
 vocab_size = 50304  # GPT-2's vocabulary padded up to a multiple of 128, for faster matmuls
 # batch: total_batch_size tokens per optimizer step = B * T * world_size * grad_accum_steps
 total_batch_size = 524288  # 2**19, ~0.5M tokens, as GPT-3 124M
-B = "auto"  # micro-batch: sequences per forward/backward per process; "auto": the most that fit
+B = 64  # micro-batch, sequences per process: 64 fits 124M on 80 GB; halve it on a smaller GPU, or "auto"
 T = 1024  # sequence length
 # optimizer: AdamW, linear warmup then cosine decay to min_lr at max_steps (other recipes: docs/recipes.md)
 max_lr = 6e-4  # the peak, reached at the end of warmup
@@ -92,377 +87,345 @@ wandb_log = False  # also log to W&B
 wandb_project = "gpt2"  # the W&B project
 wandb_run_name = "gpt2-124M"  # the W&B run's name
 DEFAULTS = {k: v for k, v in globals().items() if k[0] != '_' and type(v) in (bool, int, float, str)}
-
+# From here on an error ends the run with one line (a bad config value, out of memory at B, a rank that
+# stopped answering), and however the run ends its process group and log_dir are released.
+checkpoint.one_line_errors(lambda: B)
+config = parse_config(sys.argv[1:], DEFAULTS, __doc__)  # config files, then --key=value; -h lists them
+globals().update(config)  # the constants as overridden, for the rest of the script
 
 # -----------------------------------------------------------------------------
 # DDP setup: torchrun starts one process per device and tells each who it is (RANK, LOCAL_RANK,
 # WORLD_SIZE); plain `python` is a world of one. Every rank runs all of this script.
+ddp = 'RANK' in os.environ
+rank, local_rank, world_size = 0, 0, 1
+if ddp:
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
+master_process = rank == 0  # this process prints, logs and writes checkpoints
+device = pick_device(device, local_rank if ddp else None)  # torchrun: cuda:LOCAL_RANK, a GPU each
+cuda = device.startswith('cuda')
+if cuda:
+    torch.cuda.set_device(device)
+    torch.set_float32_matmul_precision('high')  # TF32 for the float32 matmuls
+if device == 'cpu' and cpu_reuse_memory:
+    reuse_freed_memory()  # the CPU's own speed trick: gptkit/cpu.py
+if ddp:
+    # NCCL between GPUs, gloo between CPU processes. A collective that waits past its timeout ends the
+    # run (a stuck rank): an hour until the first step is done, as each rank compiles at its own pace,
+    # then collective_timeout (docs/ddp.md, 10)
+    dist.init_process_group(backend='nccl' if cuda else 'gloo', rank=rank, world_size=world_size,
+                            device_id=torch.device(device) if cuda else None,
+                            timeout=first_step_timeout(collective_timeout))
+config = choose_precision(config, device)  # dtype and compile "auto" made concrete, alike on every rank
+dtype, compile = config['dtype'], config['compile']
+sharded = ddp and parallel == 'fsdp'  # FSDP: each rank holds a shard of the state (docs/fsdp.md)
+if sharded:
+    from gptkit import fsdp
 
-rank, world = 0, 1  # this process among all, set by main() from torchrun's environment
-config = DEFAULTS  # set by main(): the constants as run, recorded in run.json and the checkpoints
-phase = 'the setup'  # what the run is doing: the line that ends a run stuck or out of memory names it
+# -----------------------------------------------------------------------------
+# the model: resumed from log_dir's newest checkpoint (resume="auto": the same command continues a
+# stopped run), fresh, or OpenAI's/HF's weights
+for split in ('train', 'val') if eval_interval > 0 else ('train',):
+    find_shards(data_root, split)  # a missing folder is reported before log_dir is made or a model built
+checkpoint.claim_log_dir(log_dir)  # one run per log_dir: rank 0 locks log_dir/run.lock
+torch.manual_seed(seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
+ckpt_path, ckpt = checkpoint.find_checkpoint(log_dir, resume)  # rank 0 validates it; the others follow
+if ckpt is not None:  # the weights come from the checkpoint: nothing to download
+    raw_model = GPT(checkpoint.resumed_model_config(ckpt, ckpt_path, config))
+elif init_from == 'scratch':
+    raw_model = GPT(GPTConfig.from_dict(config))
+else:  # each node's first process downloads into its HF cache while the others wait, then they read it
+    first = local_rank == 0
+    try:
+        if first:
+            raw_model = GPT.from_pretrained(init_from)
+        agree(0)  # however long the download takes (under the first step's timeout)
+        if not first:
+            raw_model = GPT.from_pretrained(init_from)
+    except (ValueError, OSError) as e:  # not a GPT-2, a missing folder, no download
+        raise UserError(f"init_from={init_from!r}: {e}") from None
+    if master_process:
+        print(f"init_from={init_from}: model shape from the weights: {raw_model.config}")
+if T > raw_model.config.block_size:
+    raise UserError(f"T={T} is longer than the model's block_size={raw_model.config.block_size}")
+why_B = None
+if B == 'auto':  # the most that fit this device's free memory, by count; every rank takes the least
+    from gptkit import memory
+    B, why_B = memory.micro_batch(config, raw_model.config, device, world_size)
+
+# -----------------------------------------------------------------------------
+# the data: every step reads total_batch_size tokens, B*T per micro-step per rank
+grad_accum_steps = accumulation_steps(total_batch_size, B, T, world_size)  # total // (B * T * world_size)
+vocab = raw_model.config.vocab_size
+train_loader = DataLoaderLite(B, T, rank, world_size, 'train', data_root, grad_accum_steps, vocab, shuffle,
+                              seed)
+if eval_interval > 0:  # the first val_tokens of the val split, on the device once: (batches, B, T) each
+    val_tokens_np = load_val_tokens(data_root, val_tokens // T * T, vocab)
+    val_x, val_y, val_text = (t.to(device) for t in val_batches(val_tokens_np, B, T, rank, world_size))
+    val_targets, val_bytes = len(val_tokens_np) - 1, max(1, utf8_bytes(val_tokens_np[1:]))
+
+# -----------------------------------------------------------------------------
+# to the device, the optimizer, compile and DDP
+raw_model.to(device)  # never wrapped: its state_dict has no prefixes
+if device == 'cpu':
+    fuse_loss(raw_model)  # the CPU's training loss in one pass over the logits: gptkit/cpu.py
+if sharded:
+    fsdp.shard(raw_model)  # before the optimizer, which must see the shards
+device_type = torch.device(device).type
+optimizer = raw_model.configure_optimizers(weight_decay, max_lr, device_type, optimizer, muon_lr,
+                                           muon_momentum)
+scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')  # a no-op unless float16
+step, evaluated, bad_steps = 0, False, 0  # updates done; the evals of `step` done; non-finite steps in a row
+if ckpt is not None:  # everything save_checkpoint (below) wrote, back in its place
+    opt_state = dict(ckpt['optimizer'], param_groups=optimizer.state_dict()['param_groups'])  # our settings
+    if sharded:
+        fsdp.load_full_state(raw_model, optimizer, ckpt['model'], opt_state)  # each rank its shards
+    else:
+        raw_model.load_state_dict(ckpt['model'])
+        optimizer.load_state_dict(opt_state)
+    for state in optimizer.state.values():  # on a CPU these would alias the checkpoint's memory map
+        state.update({k: v.clone() for k, v in state.items() if torch.is_tensor(v) and v.is_cpu})
+    if ckpt.get('scaler'):  # a float16 run's loss scale
+        scaler.load_state_dict(ckpt['scaler'])
+    train_loader.load_state(ckpt['loader'], ckpt_path)
+    checkpoint.set_rng_state(ckpt['rng'], device)
+    step, evaluated, bad_steps = ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
+    del ckpt  # the memory map
+    if master_process:
+        print(f"resuming from {ckpt_path}: step {step}, train data at {train_loader.state()['file']} "
+              f"token {train_loader.pos:,}")
+    if bad_steps >= max_bad_steps:  # not for an automatic restart to push on: a person decides
+        raise UserError(f"{ckpt_path} was written after {bad_steps} steps in a row with a non-finite loss or "
+                        f"gradient norm, and max_bad_steps={max_bad_steps}: to go on (after lowering max_lr, "
+                        f"say), raise max_bad_steps above {bad_steps}, or point log_dir elsewhere to start "
+                        f"afresh")
+    if step > max_steps or (step == max_steps and evaluated):
+        if master_process:
+            print(f"nothing to do: {ckpt_path} is step {step} and max_steps={max_steps}; raise max_steps to "
+                  f"train on, or point log_dir elsewhere to start afresh")
+        sys.exit(0)
+model = torch.compile(raw_model, dynamic=False) if compile else raw_model  # static shapes: one graph
+if ddp and not sharded:
+    for p in raw_model.parameters():  # DDP makes these its buckets' views: no second copy of the gradients
+        p.grad = torch.zeros_like(p)
+    model = DDP(model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True)
+eval_model = model.module if isinstance(model, DDP) else model  # the evals' batches differ per rank: no DDP
+hella_data = None
+if hellaswag and eval_interval > 0:  # each rank's share of the examples, made once, on the device
+    import hellaswag as hellaswag_eval
+    examples = max(1, min(32, B * T // 256))  # a batch of about a micro-batch's tokens: it fits
+    hella_data = hellaswag_eval.load_for_training(hellaswag_file, raw_model, examples, device)
+
+# -----------------------------------------------------------------------------
+# the run starts: what it is, in the output and in log_dir
+if master_process:
+    print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
+    print(f"world_size={world_size} device={device} grad_accum_steps={grad_accum_steps}")
+    if why_B:
+        print(why_B)
+    print(f"parameters: {sum(p.numel() for p in raw_model.parameters()):,}")
+    epochs = max_steps / train_loader.steps_per_epoch
+    print(f"train data: {train_loader.n_tokens:,} tokens, {train_loader.steps_per_epoch:,} steps per epoch "
+          f"at {total_batch_size:,} tokens per step; max_steps={max_steps} is {epochs:.2f} epochs")
+    checkpoint.prepare_log_dir(log_dir, step, evaluated)
+    if wandb_log:
+        run_record.wandb_start(config, log_dir)
+run_record.write(log_dir, dict(config, B=B, micro_batch=why_B), step, ckpt_path, device)
+flops_per_tok = flops_per_token(raw_model.config, T)
+peak, peak_from = peak_flops(device, dtype)  # MFU: model FLOPs per second over the peak of all devices
+if master_process:
+    print(f"mfu: against {peak / 1e12:.4g} TFLOP/s per process ({peak_from}), "
+          f"{flops_per_tok / 1e6:.4g} MFLOP per token" if peak else f"mfu: {peak_from}")
 
 
-def setup_device(device, cpu_reuse_memory=False, collective_timeout=DEFAULTS['collective_timeout']):
-    """(rank, world_size, device): torchrun's RANK means DDP, one process per device."""
-    ddp = 'RANK' in os.environ
-    rank, local_rank, world = 0, 0, 1
-    if ddp:
-        rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
-    device = pick_device(device, local_rank if ddp else None)  # torchrun: cuda:LOCAL_RANK, a GPU each
-    cuda = device.startswith('cuda')
-    if cuda:
-        torch.cuda.set_device(device)
-        torch.set_float32_matmul_precision('high')  # TF32 for the float32 matmuls
-    if device == 'cpu' and cpu_reuse_memory:
-        reuse_freed_memory()  # the CPU's own speed trick: gptkit/cpu.py
-    if ddp:
-        # NCCL between GPUs, gloo between CPU processes. A collective that waits longer than its timeout
-        # ends the run (a stuck rank): an hour until the first step is done, as each rank compiles at its
-        # own pace, then collective_timeout (train: hold_to); rank 0's long work alone: wait_for_all
-        dist.init_process_group(backend='nccl' if cuda else 'gloo', store=restart_store(), rank=rank,
-                                world_size=world, device_id=torch.device(device) if cuda else None,
-                                timeout=first_step_timeout(collective_timeout))
-    return rank, world, device
+def get_lr(it):
+    """The learning rate of step it, a function of the step and the constants alone (a resumed run
+    continues it): a linear warmup over warmup_steps, then lr_schedule: "cosine" decays to min_lr at
+    max_steps (build-nanogpt's); "wsd" stays at max_lr, then decays over the last decay_frac of
+    max_steps, "linear" or "1-sqrt" in shape (raising max_steps before the decay began moves it later)."""
+    if it < warmup_steps:  # never exactly 0
+        return max_lr * (it + 1) / warmup_steps
+    if it >= max_steps:
+        return min_lr
+    if lr_schedule == 'cosine':
+        ratio = (it - warmup_steps) / max(1, max_steps - warmup_steps)
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
+    decay_steps = max(1, round(decay_frac * max_steps))
+    progress = (it - (max_steps - decay_steps)) / decay_steps  # <= 0 in the stable phase, 1 at max_steps
+    if progress <= 0:
+        return max_lr
+    return max_lr - (progress if decay_shape == 'linear' else math.sqrt(progress)) * (max_lr - min_lr)
+
+
+def save_checkpoint(val_loss):
+    """log_dir/model_{step:05d}.pt: the state after `step` updates, everything a resume puts back (see
+    the model's set-up above). Every rank calls it; rank 0 writes (gptkit/checkpoint.py: save)."""
+    if sharded:  # the full state, gathered from the shards onto rank 0's host
+        model_state, optimizer_state = fsdp.full_state(raw_model, optimizer)
+    else:
+        checkpoint.check_replicas(raw_model, step)  # DDP: a diverged replica is never saved
+        model_state, optimizer_state = raw_model.state_dict(), optimizer.state_dict()
+    ckpt = None
+    if master_process:
+        ckpt = {'model': model_state, 'optimizer': optimizer_state, 'config': asdict(raw_model.config),
+                'train_config': config, 'step': step, 'val_loss': val_loss, 'evaluated': evaluated,
+                'loader': train_loader.state(), 'rng': checkpoint.rng_state(device), 'bad_steps': bad_steps,
+                'scaler': scaler.state_dict()}
+    checkpoint.save(ckpt, log_dir, keep_checkpoints)
+
+
+def stop_if_asked(val_loss, saved):
+    """SIGTERM or Ctrl-C on any rank (a flag, agreed at a step boundary): every rank stops here, with
+    the checkpoint of this step (unless saved already), one line and exit code 75."""
+    if agree(bool(checkpoint.stop_requested)):
+        if not saved:
+            save_checkpoint(val_loss)
+        if master_process:
+            print(f"{checkpoint.stop_requested or 'SIGTERM'}: stopped at step {step}; wrote "
+                  f"{os.path.join(log_dir, f'model_{step:05d}.pt')}; run the same command again to resume "
+                  f"(exit code {checkpoint.EXIT_PREEMPTED})")
+        sys.exit(checkpoint.EXIT_PREEMPTED)
 
 
 # -----------------------------------------------------------------------------
-# data: the uint16 token shards of fineweb.py (and build-nanogpt's), memory-mapped
+# the loop: at each step the model as it is is evaluated, sampled and checkpointed when due, then
+# (unless it is the last step) updated: step -> step + 1
+checkpoint.listen_for_stop_signals()  # from here SIGTERM and Ctrl-C only set a flag, read between steps
+start_step = step
+for step in range(start_step, max_steps + 1):
+    last_step = step == max_steps
+    stop_if_asked(None, saved=evaluated)  # evaluated here: resumed from this step's checkpoint
+    if bad_steps >= max_bad_steps:  # the checkpoint holds the last good update's weights
+        save_checkpoint(None)
+        raise UserError(f"stopped after {bad_steps} steps in a row with a non-finite loss or gradient norm "
+                        f"(max_bad_steps={max_bad_steps}); {os.path.join(log_dir, f'model_{step:05d}.pt')} "
+                        f"holds the last good weights, with the data position after the skipped batches; "
+                        f"lower max_lr or check the data, then raise max_bad_steps to resume from it")
+    do_checkpoint = last_step or (checkpoint_interval > 0 and step > 0 and step % checkpoint_interval == 0)
+    do_eval = eval_interval > 0 and (step % eval_interval == 0 or last_step or do_checkpoint)
+    do_sample = sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step)
+    if not evaluated and (do_eval or do_sample or do_checkpoint):
+        val_loss = None
+        eval_raw = raw_model
+        if sharded and (do_eval or do_sample):  # a plain copy of the whole weights, freed after the evals
+            eval_model = eval_raw = fsdp.whole_model(raw_model, optimizer)
+        if do_eval:  # the val loss and its bits per byte, each rank its sequences, summed over all ranks
+            eval_model.eval()
+            with torch.no_grad():
+                sums = torch.zeros(2, device=device)  # the loss summed over all targets, and over text's
+                for x, y, text in zip(val_x, val_y, val_text):
+                    with autocast(device, dtype):
+                        _, losses = eval_model(x, y, reduction='none')  # (B, T), 0 where y is -1
+                    sums += torch.stack((losses.sum(), (losses * text).sum())).float()
+            if ddp:
+                dist.all_reduce(sums, op=dist.ReduceOp.SUM)  # gloo has no AVG
+            loss_sum, text_loss = sums.tolist()  # the host's one read of this eval
+            # bits per byte, as nanochat's: the loss in bits of the targets that decode to text, per byte
+            val_loss, bpb = loss_sum / val_targets, text_loss / math.log(2) / val_bytes
+            if master_process:
+                print(f"step {step:5d} | val loss {val_loss:.4f} | val bpb {bpb:.4f}")
+                run_record.log(log_dir, f"{step} val {val_loss:.4f}")
+                run_record.log(log_dir, f"{step} bpb {bpb:.4f}")
+        if do_eval and hella_data is not None:  # the plain model, in its own compiled graph, under DDP too
+            counts = hellaswag_eval.evaluate(eval_raw, hella_data, dtype, compile)  # examples, acc, acc_norm
+            if ddp:
+                dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # each rank scored its share of the examples
+            n, correct, correct_norm = counts.tolist()
+            if master_process:
+                print(f"step {step:5d} | hellaswag acc_norm {correct_norm}/{n} = {correct_norm / n:.4f} "
+                      f"(acc {correct / n:.4f})")
+                run_record.log(log_dir, f"{step} hella {correct_norm / n:.4f}")
+        if do_sample and master_process and vocab >= N_VOCAB:  # 4 continuations of sample_prompt
+            enc = get_gpt2_encoding()
+            prompt = enc.encode(sample_prompt)[-raw_model.config.block_size:] or [enc.eot_token]
+            tokens = torch.tensor([prompt] * 4, dtype=torch.long, device=device)
+            rng = torch.Generator(device=device).manual_seed(42 + step)  # a resumed run writes the same ones
+            eval_raw.eval()
+            with autocast(device, dtype):
+                out = eval_raw.generate(tokens, sample_length, top_k=50, generator=rng)
+            texts = [enc.decode([t for t in row if t < N_VOCAB]) for row in out.tolist()]  # padding: no text
+            run_record.samples(log_dir, [f"step {step} sample {i}: {text!r}" for i, text in enumerate(texts)])
+        if sharded:
+            eval_model = eval_raw = None  # the gathered copy goes
+        evaluated = True
+        if do_checkpoint:
+            save_checkpoint(val_loss)
+        if not last_step:
+            stop_if_asked(val_loss, saved=do_checkpoint)  # a stop signal during the evals
+    if last_step:
+        break
 
-class DataLoaderLite(ShardStream):
-    """Batches of B sequences of T tokens from the shards of one split, read as one stream whose
-    position moves by whole steps, the same on every rank (gptkit/shards.py: ShardStream, with the
-    shuffled order and resuming). A step reads one run of B*T*num_processes*accum_steps (+1)
-    tokens; micro-step m of rank r takes its chunk m * num_processes + r: the tokens of a step do
-    not depend on the number of processes."""
-
-    def __init__(self, B, T, process_rank, num_processes, split, data_root, accum_steps=1,
-                 vocab_size=None, shuffle=False, seed=1337):
-        self.B, self.T, self.rank, self.world, self.accum = B, T, process_rank, num_processes, accum_steps
-        self.micro = 0  # the micro-steps of this step read so far
-        step_tokens = B * T * num_processes * accum_steps
-        super().__init__(data_root, split, step_tokens, vocab_size, shuffle, seed, say=process_rank == 0)
-
-    def next_batch(self):
-        B, T = self.B, self.T
-        start = self.pos + (self.micro * self.world + self.rank) * B * T
-        buf = torch.from_numpy(self.tokens[start:start + B * T + 1].astype(np.int64))  # only this chunk
-        x, y = buf[:-1].view(B, T), buf[1:].view(B, T)  # inputs, targets
-        self.micro += 1
-        if self.micro == self.accum:  # this step's run is read: every rank advances alike
-            self.micro = 0
-            self.pos += self.step_tokens
-            self.next_shard_if_short()
-        return x, y
-
-
-# -----------------------------------------------------------------------------
-# evaluation: val loss and HellaSwag (each rank its share, all-reduced); samples: sample.py
-
-@torch.no_grad()  # and no graph per batch: each would hold its batch's activations and logits
-def evaluate(model, tokens, B, T, device, dtype):
-    """(mean loss, bits per byte) over the len(tokens) // T sequences of T tokens, all ranks together;
-    rank r scores the sequences r, r + world, ...: the values do not depend on world. Bits per byte
-    as nanochat's: the loss in bits of the targets that decode to text over their UTF-8 bytes
-    (<|endoftext|>, 0 bytes, is out of both). Every batch has B rows: one shape, one compiled graph."""
-    rank, world = process_rank(), world_size()
-    model.eval()
-    n_seq, n_bytes = (len(tokens) - 1) // T, token_byte_lengths()
-    mine = range(rank, n_seq, world)
-    sums = torch.zeros(2, device=device)  # the loss summed over all targets, and over those with text
-    for i in range(0, len(mine), B):
-        rows = np.full((B, T + 1), -1)  # rows past this rank's last sequence: padding, target -1, no loss
-        rows[:len(mine[i:i + B])] = [tokens[j * T:j * T + T + 1] for j in mine[i:i + B]]  # (B, T+1)
-        text = (n_bytes[rows[:, 1:]] > 0) & (rows[:, 1:] >= 0)  # (B, T): targets that decode to text
-        x = torch.from_numpy(rows[:, :-1].clip(0)).to(device)
-        y = torch.from_numpy(rows[:, 1:]).to(device)
-        with autocast(device, dtype):
-            _, losses = model(x, y, reduction='none')  # (B, T)
-        sums += torch.stack((losses.sum(), (losses * torch.from_numpy(text).to(device)).sum())).float()
-    if world > 1:
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    # one optimizer step over grad_accum_steps micro-batches of B sequences
+    if master_process and train_loader.epoch_begins():
+        order = 'a new order' if shuffle else 'in order'
+        print(f"step {step:5d} | epoch {train_loader.epoch} begins ({order})")
+        run_record.log(log_dir, f"{step} epoch {train_loader.epoch}")
+    t0 = time.time()
     model.train()
-    loss_sum, text_loss = sums.tolist()
-    return loss_sum / (n_seq * T), text_loss / math.log(2) / max(1, utf8_bytes(tokens[1:n_seq * T + 1]))
-
-
-def evals_and_samples(state, val_data, hella_data, do_eval, do_sample):
-    """This step's val loss (returned, or None) with its bits per byte, and HellaSwag, all ranks
-    together, and rank 0's samples; rank 0 prints and logs them. Under FSDP they run on a gathered
-    copy of the model, which is freed when this function returns."""
-    global phase
-    model, raw_model = whole_models(state.model, state.raw_model, state.optimizer, device)
-    step, val_loss = state.step, None
-    if do_eval:
-        phase = 'the val loss'
-        val_loss, bpb = evaluate(model, val_data, B, T, device, dtype)
-        if rank == 0:
-            print(f"step {step:5d} | val loss {val_loss:.4f} | val bpb {bpb:.4f}")
-            run_record.log(log_dir, f"{step} val {val_loss:.4f}")
-            run_record.log(log_dir, f"{step} bpb {bpb:.4f}")
-    if do_eval and hella_data is not None:  # the plain module, its own compiled graph: the same under DDP
-        phase = 'HellaSwag'
-        from hellaswag import evaluate as evaluate_hellaswag  # imported by the runs that score it (run)
-        counts = evaluate_hellaswag(raw_model, hella_data, dtype, compile)  # (examples, acc, acc_norm)
-        if world > 1:
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # each rank scored its share of the examples
-        n, correct, correct_norm = counts.tolist()  # the one host read of the eval
-        if rank == 0:
-            print(f"step {step:5d} | hellaswag acc_norm {correct_norm}/{n} = {correct_norm / n:.4f} "
-                  f"(acc {correct / n:.4f})")
-            run_record.log(log_dir, f"{step} hella {correct_norm / n:.4f}")
-    lines = []
-    if do_sample and rank == 0:
-        phase = 'the samples'
-        lines = training_samples(raw_model, step, sample_prompt, sample_length, dtype)
-    run_record.samples(log_dir, lines)  # seeded by the step: a resumed run writes the same samples
-    return val_loss
-
-
-# -----------------------------------------------------------------------------
-# training: one optimizer step, gradient accumulation over micro-batches
-
-def train_step(state, grad_accum_steps, lr, grad_clip, device, dtype):
-    """One optimizer step over grad_accum_steps micro-batches: (mean loss, grad norm, ok, overflow).
-    A non-finite loss or norm (alike on every rank) skips the update, on the device: the host reads
-    nothing before it is queued (docs/ddp.md, 8). overflow: float16 loss scaling at work, not a bad step."""
-    model, optimizer, scaler = state.model, state.optimizer, state.scaler
-    model.train()
-    zero_grad(model, optimizer)  # DDP: in place, in its buckets
+    optimizer.zero_grad(set_to_none=not isinstance(model, DDP))  # DDP: zeroed in place, in its buckets
     loss_accum = torch.zeros((), device=device)
     for micro_step in range(grad_accum_steps):
-        x, y = state.loader.next_batch()
-        if pinned(device):  # CUDA copies from pinned memory without the host waiting for them
+        x, y = train_loader.next_batch()
+        if cuda:  # from pinned memory the copy runs without the host waiting for it
             x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        # DDP all-reduces (FSDP reduce-scatters) the gradients in the backward of the last micro-step only
-        require_backward_grad_sync(model, micro_step == grad_accum_steps - 1)
+        # The gradients are synchronised (DDP all-reduces them, FSDP reduce-scatters) in the backward of
+        # the last micro-step only. As nanoGPT does, the flag that no_sync() would set is set here directly.
+        if isinstance(model, DDP):
+            model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+        if sharded:
+            raw_model.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
         with autocast(device, dtype):
             _, loss = model(x, y)
         loss = loss / grad_accum_steps  # the gradient of the mean over all micro-batches
         loss_accum += loss.detach()
         scaler.scale(loss).backward()  # float16: the loss scaled up so that small gradients survive
-    if dist.is_initialized():
-        dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG
-        loss_accum /= dist.get_world_size()
+    if ddp:
+        dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # the loss we print: the mean over all ranks
+        loss_accum /= world_size
     scaler.unscale_(optimizer)  # float16: the gradients back to their true size, before clipping
-    norm = clip_grad_norm(model, grad_clip)  # the global norm, the same on every rank
-    finite = torch.stack((torch.isfinite(loss_accum), torch.isfinite(norm)))  # on the device: no wait
+    norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    if sharded:
+        norm = norm.full_tensor()  # the norm of the whole gradient, from every rank's shards
+    lr = get_lr(step)
     for group in optimizer.param_groups:
         group['lr'] = lr * group.get('lr_scale', 1.0)  # muon: its groups' lr is muon_lr / max_lr times lr
-    # 1.0 skips the step: fused AdamW (and Muon, gptkit/optim.py) leave weights and state as they are
+    # A non-finite loss or norm (the same on every rank) skips the update on the device, with no host
+    # read before it is queued: fused AdamW and Muon (gptkit/optim.py) read found_inf, as GradScaler's.
+    finite = torch.stack((torch.isfinite(loss_accum), torch.isfinite(norm)))
     optimizer.found_inf = (~finite.all()).float()
     optimizer.step()
     del optimizer.found_inf
     finite_loss, finite_norm = finite.tolist()  # the step's first wait, once its update is queued
-    ok = finite_loss and finite_norm
-    scale = 0
-    if finite_loss and not finite_norm:
-        scale = scaler.get_scale()  # read only then: on a GPU it waits
+    scale = scaler.get_scale() if finite_loss and not finite_norm else 0  # read only then: a GPU waits
     scaler.update()  # float16: halve the scale after an inf/nan gradient, double it after 2000 clean steps
-    # float16: a finite loss's inf/nan gradients lowered the scale; at or below 1 it is a bad step
-    overflow = scale > 1 and scaler.get_scale() < scale
-    return loss_accum, norm, ok, overflow
-
-
-# -----------------------------------------------------------------------------
-# the run: main sets the constants (as overridden), rank and world; the rest reads them
-
-def main(argv=None):
-    global rank, world, device, dtype, compile, config
-    master = int(os.environ.get('RANK', 0)) == 0
-    try:
-        config = parse_config(sys.argv[1:] if argv is None else argv, DEFAULTS, __doc__)  # -h: the constants
-    except UserError as e:
-        sys.exit(f"error: {e}" if master else 1)
-    globals().update(config)  # the rest reads the constants, as overridden
-    code = error = None
-    try:
-        rank, world, device = setup_device(device, cpu_reuse_memory, collective_timeout)  # no "auto" now
-        config = choose_precision(config, device)  # the same dtype on every rank
-        dtype, compile = config['dtype'], config['compile']
-        code = run()
-    except UserError as e:  # one line on stderr, exit code 1
-        error = f"error: {e}"
-        if dist.is_initialized() and not master:
-            error = ''  # rank 0 says it; a rank says its own only before the ranks can agree
-    except RuntimeError as e:  # a collective that gave up waiting (a rank stuck or gone), or out of memory
-        error = gave_up(e, rank, phase) or memory.out_of_memory(e, B, phase)
-        if error is None:
-            raise
-    finally:
-        if error:
-            print(error, file=sys.stderr, flush=True)  # before the teardown, which a gone rank can hold up
-        checkpoint.release_log_dir(log_dir, failed=code is None)  # a failed start leaves no log_dir it made
-        end_process_group(finished=code is not None)
-    if error is not None:
-        sys.exit(1)
-    run_record.wandb_finish()  # rank 0's upload, after the final barrier: no rank waits on it
-    if code:
-        sys.exit(code)
-
-
-def run():
-    """Set up the data, the model (fresh, pretrained or resumed) and the optimizer, then train;
-    returns the exit code: 0, or checkpoint.EXIT_PREEMPTED after a SIGTERM."""
-    global B
-    master = rank == 0
-    for split in ('train', 'val') if eval_interval > 0 else ('train',):
-        find_shards(data_root, split)  # a missing folder is reported before log_dir is made or a model built
-    checkpoint.claim_log_dir(log_dir)  # one run per log_dir: rank 0 locks log_dir/run.lock
-    torch.manual_seed(seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
-
-    # resume="auto": the newest checkpoint of log_dir that loads (the same command resumes a stopped run)
-    ckpt_path, ckpt = checkpoint.find_checkpoint(log_dir, resume, device)
-    raw_model = build_model(ckpt, ckpt_path)
-    # B="auto": the most that fit this device's free memory, by count (gptkit/memory.py); every rank the least
-    B, why = memory.micro_batch(config, raw_model.config, device, world)
-    grad_accum_steps = accumulation_steps(total_batch_size, B, T, world)  # total_batch_size // (B*T*world)
-    vocab = raw_model.config.vocab_size
-    loader = DataLoaderLite(B, T, rank, world, 'train', data_root, grad_accum_steps, vocab, shuffle, seed)
-    val_data = load_val_tokens(data_root, val_tokens // T * T, vocab) if eval_interval > 0 else None
-    raw_model.to(device)  # not wrapped: state_dict without prefixes; sharded in place under FSDP
-    if parallel == 'fsdp' and dist.is_initialized():  # torchrun; one process is one shard (gpu_check.py)
-        shard_fsdp(raw_model)  # before the optimizer, which must see the shards
-    device_type = torch.device(device).type
-    opt = raw_model.configure_optimizers(weight_decay, max_lr, device_type, optimizer, muon_lr, muon_momentum)
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')  # a no-op unless float16
-    state = TrainState(raw_model, raw_model, opt, scaler, loader)
-    if ckpt is not None:
-        checkpoint.restore(state, ckpt, ckpt_path, max_bad_steps)  # says what it resumes from
-        del ckpt  # the memory map
-        if state.step > max_steps or (state.step == max_steps and state.evaluated):
-            if master:
-                print(f"nothing to do: {ckpt_path} is step {state.step} and max_steps={max_steps}; raise "
-                      f"max_steps to train on, or point log_dir elsewhere to start afresh")
-            return 0
-    if compile:
-        state.model = torch.compile(raw_model, dynamic=False)  # static shapes: one training graph
-    if world > 1 and parallel == 'ddp':  # gradients all-reduced during backward; rank 0's weights everywhere
-        state.model = wrap_ddp(state.model, device)
-    hella_data = None
-    if hellaswag and eval_interval > 0:  # imported only by the runs that score it: --help answers sooner
-        from hellaswag import load_for_training
-        batch = memory.examples_per_batch(B, T)  # made once, on the device; compiled, of one shape
-        hella_data = load_for_training(hellaswag_file, raw_model, batch, device, compile)
-    if master:  # every check passed: the run starts
-        print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
-        print(f"world_size={world} device={device} grad_accum_steps={grad_accum_steps}")
-        if why:
-            print(why)
-        print(f"parameters: {sum(p.numel() for p in raw_model.parameters()):,}")
-        epochs = max_steps / loader.steps_per_epoch
-        print(f"train data: {loader.n_tokens:,} tokens, {loader.steps_per_epoch:,} steps per epoch at "
-              f"{total_batch_size:,} tokens per step; max_steps={max_steps} is {epochs:.2f} epochs")
-        checkpoint.prepare_log_dir(log_dir, state.step, state.evaluated)
-        if wandb_log:
-            run_record.wandb_start(config, log_dir)
-    run_record.write(log_dir, dict(config, B=B, micro_batch=why), state.step, ckpt_path, device)
-    return train(state, val_data, hella_data, grad_accum_steps)
-
-
-def build_model(ckpt, ckpt_path):
-    """The model to train, on the CPU: the checkpoint's shape, a fresh one, or OpenAI/HF weights."""
-    if ckpt is not None:  # the weights come from the checkpoint: nothing to download
-        model = GPT(checkpoint.resumed_model_config(ckpt, ckpt_path, config))
-    elif init_from == 'scratch':
-        model = GPT(GPTConfig.from_dict(config))
-    else:
-        first = first_on_node()  # downloads into this node's HF cache while the others wait
-        try:
-            if first:
-                model = GPT.from_pretrained(init_from)
-            wait_for_all()  # however long the download takes; then the others read the cache
-            if not first:
-                model = GPT.from_pretrained(init_from)
-        except (ValueError, OSError) as e:  # not a GPT-2, a missing folder, no download
-            raise UserError(f"init_from={init_from!r}: {e}") from None
-        if rank == 0:
-            print(f"init_from={init_from}: model shape from the weights: {model.config}")
-    if T > model.config.block_size:
-        raise UserError(f"T={T} is longer than the model's block_size={model.config.block_size}")
-    return model
-
-
-def train(state, val_data, hella_data, grad_accum_steps):
-    """The loop; returns the exit code. state.step = updates done: the model as it is is evaluated,
-    sampled and checkpointed when due, then (unless it is the last step) updated: step -> step + 1."""
-    global phase
-    master, start = rank == 0, state.step
-    checkpoint.listen_for_stop_signals()  # from here SIGTERM and Ctrl-C only set a flag, read between steps
-    if master:  # MFU: model FLOPs per second over the peak of all processes' devices
-        fpt = flops_per_token(state.raw_model.config, T)
-        peak, peak_from = peak_flops(device, dtype)
-        if peak:
-            print(f"mfu: against {peak / 1e12:.4g} TFLOP/s per process ({peak_from}), "
-                  f"{fpt / 1e6:.4g} MFLOP per token")
-        else:
-            print(f"mfu: {peak_from}")
-    wait_for_all()  # rank 0 alone wrote run.json, started W&B and timed a matmul
-    for step in range(start, max_steps + 1):
-        last_step = step == max_steps
-        if agree(bool(checkpoint.stop_requested)):  # SIGTERM or Ctrl-C on any rank: all stop here together
-            # evaluated here: the run resumed from this step's checkpoint, which needs no second write
-            return checkpoint.stop_on_signal(state, None, state.evaluated, config, keep_checkpoints)
-        do_checkpoint = last_step or (checkpoint_interval > 0 and step > 0
-                                      and step % checkpoint_interval == 0)
-        do_eval = eval_interval > 0 and (step % eval_interval == 0 or last_step or do_checkpoint)
-        do_sample = sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step)
-        if not state.evaluated and (do_eval or do_sample or do_checkpoint):
-            val_loss = None
-            if do_eval or do_sample:
-                val_loss = evals_and_samples(state, val_data, hella_data, do_eval, do_sample)
-            state.evaluated = True
-            if do_checkpoint:
-                phase = 'the checkpoint'
-                checkpoint.save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints)
-            if not last_step and agree(bool(checkpoint.stop_requested)):  # a stop signal during the evals
-                return checkpoint.stop_on_signal(state, val_loss, do_checkpoint, config, keep_checkpoints)
-        if last_step:
-            return 0
-
-        loader = state.loader
-        if master and loader.epoch_begins():
-            order = 'a new order' if loader.shuffle else 'in order'
-            print(f"step {step:5d} | epoch {loader.epoch} begins ({order})")
-            run_record.log(log_dir, f"{step} epoch {loader.epoch}")
-        phase = 'the training step'
-        t0 = time.time()
-        lr = get_lr(step, max_lr, min_lr, warmup_steps, max_steps, lr_schedule, decay_frac, decay_shape)
-        loss, norm, ok, overflow = train_step(state, grad_accum_steps, lr, grad_clip, device, dtype)
-        loss = loss.item()  # waits for the step to finish: dt is its real time
-        dt = time.time() - t0
-        if step == start:  # every rank's first graphs are compiled: from here a stuck rank ends the run soon
-            hold_to(collective_timeout)
-        state.step, state.evaluated = step + 1, False
-        if ok:
-            state.bad_steps = 0
-        elif not overflow:  # a float16 overflow is neither a good step nor a bad one
-            state.bad_steps += 1
-        if master and step == start:  # what this rank holds: whole tensors under DDP, shards under FSDP
-            mib = state_mib(state.raw_model, state.optimizer)
+    overflow = scale > 1 and scaler.get_scale() < scale  # float16 at work: neither a good step nor a bad one
+    if finite_loss and finite_norm:
+        bad_steps = 0
+    elif not overflow:
+        bad_steps += 1
+    loss = loss_accum.item()  # waits for the step to finish: dt is its real time
+    dt = time.time() - t0
+    if step == start_step:  # every rank's first graphs are compiled: from here a stuck rank ends the run soon
+        set_collective_timeout(collective_timeout)
+        t_first = time.time()  # the first step compiles: the ETA counts from its end
+        if master_process:  # what this rank holds: whole tensors under DDP, shards under FSDP
+            mib = state_mib(raw_model, optimizer)
             print(f"parameters, gradients and optimizer state per rank: {mib:.1f} MiB")
-            t_first = time.time()  # the first step compiles: the ETA counts from its end
-        if master:
-            left = max_steps - step - 1
-            eta = round(dt * left if step == start else (time.time() - t_first) / (step - start) * left)
-            line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm.item():.4f} | "
-                    f"dt {dt * 1000:.2f}ms | tok/sec {total_batch_size / dt:.2f} | ")
-            if peak:
-                line += f"mfu {total_batch_size / dt * fpt / (peak * world):.1%} | "
-            line += f"eta {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s"
-            run_record.log(log_dir, f"{step} train {loss:.6f}")
-            if overflow:
-                line += f" | float16 overflow: update skipped, loss scale now {state.scaler.get_scale():g}"
-                run_record.log(log_dir, f"{step} overflow {state.scaler.get_scale():g}")
-            elif not ok:
-                line += (f" | non-finite: update skipped ({state.bad_steps} in a row, "
-                         f"max_bad_steps={max_bad_steps})")
-                run_record.log(log_dir, f"{step} skip {state.bad_steps}")
-            print(line)
-        if state.bad_steps >= max_bad_steps:  # stop with a checkpoint: the weights are the last good update's
-            checkpoint.stop_after_bad_steps(state, config, keep_checkpoints)
-
-
-if __name__ == "__main__":
-    main()
+    evaluated = False
+    if master_process:
+        left = max_steps - step - 1
+        eta = round(dt * left if step == start_step else (time.time() - t_first) / (step - start_step) * left)
+        line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm.item():.4f} | "
+                f"dt {dt * 1000:.2f}ms | tok/sec {total_batch_size / dt:.2f} | ")
+        if peak:
+            line += f"mfu {total_batch_size / dt * flops_per_tok / (peak * world_size):.1%} | "
+        line += f"eta {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s"
+        run_record.log(log_dir, f"{step} train {loss:.6f}")
+        if overflow:
+            line += f" | float16 overflow: update skipped, loss scale now {scaler.get_scale():g}"
+            run_record.log(log_dir, f"{step} overflow {scaler.get_scale():g}")
+        elif bad_steps:
+            line += f" | non-finite: update skipped ({bad_steps} in a row, max_bad_steps={max_bad_steps})"
+            run_record.log(log_dir, f"{step} skip {bad_steps}")
+        print(line)
+run_record.wandb_finish()

@@ -10,7 +10,8 @@ n_head = 4
 n_embd = 128
 block_size = 256
 T = 256
-total_batch_size = 4096  # B="auto": 16 sequences of 256, one micro-batch per step on one process
+total_batch_size = 4096  # 16 sequences of 256
+B = 16  # one micro-batch per step on one process
 max_steps = 120  # 0.5M tokens
 warmup_steps = 20
 max_lr = 1.5e-3  # small models take a larger learning rate

@@ -7,8 +7,7 @@ n_layer = 48
 n_head = 25
 n_embd = 1600
 total_batch_size = 1048576  # 2**20
-# B = "auto" (the default): 8 per GPU on 80 GB (8 GPUs: 16 micro-steps a step); 40 GB: 1;
-# 24 GB: parallel="fsdp"
+B = 8  # per GPU on 80 GB (8 GPUs: 16 micro-steps a step); 40 GB: 1; 24 GB: parallel="fsdp"; or "auto"
 T = 1024
 max_lr = 2e-4
 min_lr = 2e-5

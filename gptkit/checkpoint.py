@@ -1,15 +1,16 @@
 """
-Fault tolerance for train_gpt2.py: what a checkpoint holds, writing it atomically, choosing and
-checking one to resume from, RNG state, trimming the log lines a crashed run wrote after its last
-checkpoint, preemption (SIGTERM, Ctrl-C), one run per log_dir (run.lock). docs/resume.md tells the
-whole story (torchrun restarts included: their store is parallel.restart_store).
+Fault tolerance for train_gpt2.py: finding, checking and writing checkpoints, RNG state, trimming the
+log lines a crashed run wrote after its last checkpoint, preemption (SIGTERM, Ctrl-C), one run per
+log_dir (run.lock). docs/resume.md tells the whole story.
 
 A checkpoint, log_dir/model_{step:05d}.pt, is the state after `step` optimizer updates: build-
 nanogpt's model, config, step and val_loss, plus everything needed to continue exactly (RESUME_KEYS):
 the optimizer, the global data position, torch's RNG states, whether the step's evals are done, the
-count of bad steps in a row and a checksum of its tensors. Rank 0 writes it; every rank reads it.
-What it holds travels through the trainer as one bundle, TrainState (`state` here).
+count of bad steps in a row and a checksum of its tensors. train_gpt2.py builds it (save_checkpoint)
+and puts each piece back where it resumes; rank 0 writes it and validates it (read_checkpoint); the
+other ranks read the file it chose.
 """
+import atexit
 import copy
 import glob
 import os
@@ -20,7 +21,6 @@ import socket
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
 
 import torch
 
@@ -31,19 +31,6 @@ from model import GPT, GPTConfig
 RESUME_KEYS = ('model', 'optimizer', 'config', 'train_config', 'step', 'evaluated', 'loader', 'rng',
                'bad_steps', 'checksum')
 EXIT_PREEMPTED = 75  # SIGTERM or Ctrl-C: checkpoint written, run the same command again (EX_TEMPFAIL)
-
-
-@dataclass
-class TrainState:
-    """What a run trains and what its checkpoints hold, travelling together through the trainer."""
-    model: torch.nn.Module  # what the step runs: raw_model compiled and DDP-wrapped, as configured
-    raw_model: torch.nn.Module  # the plain GPT: weights, checkpoints, HellaSwag, samples (FSDP: sharded)
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler  # float16's loss scaling; a no-op in the other precisions
-    loader: object  # train_gpt2.DataLoaderLite: next_batch(), state(), load_state()
-    step: int = 0  # optimizer updates done (skipped ones included)
-    evaluated: bool = False  # the evals (and samples) of `step` are done and logged
-    bad_steps: int = 0  # steps in a row with a non-finite loss or gradient norm
 
 
 # -----------------------------------------------------------------------------
@@ -59,23 +46,53 @@ def on_stop_signal(signum, frame):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
 
 
-def stop_on_signal(state, val_loss, saved, config, keep_checkpoints):
-    """SIGTERM or Ctrl-C, agreed at a step boundary: the checkpoint of state (after state.step
-    updates) unless saved already, one line, and the exit code EXIT_PREEMPTED."""
-    if not saved:  # rank 0 writes it; every rank learns whether it worked
-        save_checkpoint(state, val_loss, config, config['log_dir'], keep_checkpoints)
-    if parallel.rank() == 0:
-        print(f"{stop_requested or 'SIGTERM'}: stopped at step {state.step}; wrote "
-              f"{os.path.join(config['log_dir'], f'model_{state.step:05d}.pt')}; run the same command again "
-              f"to resume (exit code {EXIT_PREEMPTED})")
-    return EXIT_PREEMPTED
-
-
 def listen_for_stop_signals():
     """From now on SIGTERM and the first Ctrl-C stop the run at the next step boundary, with a
     checkpoint (exit 75); a second Ctrl-C raises KeyboardInterrupt at once, as Python does."""
     signal.signal(signal.SIGTERM, on_stop_signal)
     signal.signal(signal.SIGINT, on_stop_signal)
+
+
+# -----------------------------------------------------------------------------
+# the end of a run, however it comes: one line for an error, the process group and log_dir released
+
+_failed = False  # an error ends this run: leave the process group without waiting for the others
+
+
+def error_line(error, B):
+    """The one line that ends the run for error, or None for an error that keeps its traceback: a
+    UserError, a wait for the other ranks that gave up (a collective, or wait_for_all in the store),
+    or the device out of memory at micro-batch B."""
+    if isinstance(error, UserError):
+        return f"error: {error}"
+    if torch.distributed.is_initialized() and re.search(r'[Tt]imed? ?out', str(error)):
+        limit = parallel.waiting
+        if isinstance(error, torch.distributed.DistStoreError):  # wait_for_all's
+            limit = f'WAIT_FOR_ALL_TIMEOUT={parallel.WAIT_FOR_ALL_TIMEOUT}'
+        return (f"error: rank {parallel.rank()} waited more than {limit} s for the other ranks: one of them "
+                f"is stuck or gone; the last checkpoint stands: run the same command again to resume")
+    if isinstance(error, torch.OutOfMemoryError) or re.search(r'out of memory|can.t allocate', str(error)):
+        from gptkit.memory import out_of_memory  # with B="auto"'s count, when the start made one
+        return out_of_memory(B)
+    return None
+
+
+def one_line_errors(micro_batch):
+    """From here on, an error that ends the run prints one line on stderr and exits with code 1, no
+    traceback (error_line; micro_batch() is B as the run has it then); once the process group exists,
+    rank 0 alone says a UserError, which every rank meets alike. And however the run ends, this process
+    leaves the process group at exit: a finished run waits for the others first (rank 0 may still be
+    writing), a failed one does not."""
+    def excepthook(kind, error, tb):
+        global _failed
+        _failed = True
+        line = error_line(error, micro_batch())
+        if line is None:
+            sys.__excepthook__(kind, error, tb)
+        elif not (isinstance(error, UserError) and torch.distributed.is_initialized() and parallel.rank()):
+            print(line, file=sys.stderr, flush=True)  # before the teardown, which a gone rank can hold up
+    sys.excepthook = excepthook
+    atexit.register(lambda: parallel.end_process_group(finished=not _failed))
 
 
 # -----------------------------------------------------------------------------
@@ -187,10 +204,11 @@ def pick_checkpoint(log_dir):
     return -1, None, None
 
 
-def find_checkpoint(log_dir, resume, device):
+def find_checkpoint(log_dir, resume):
     """(path, checkpoint) to resume from, the same on every rank, or (None, None) for a fresh run.
-    Rank 0 chooses; the other ranks read the same file (log_dir must be on a filesystem they share).
-    resume="never" refuses a log_dir that holds checkpoints."""
+    Rank 0 chooses and validates it (pick_checkpoint); the others follow its verdict and read the same
+    file (log_dir must be on a filesystem they share). resume="never" refuses a log_dir that holds
+    checkpoints."""
     found = list_checkpoints(log_dir)
     if resume == 'never' and found:
         raise UserError(f"{log_dir!r} holds checkpoints of an earlier run ({found[0][1]}) and "
@@ -201,17 +219,17 @@ def find_checkpoint(log_dir, resume, device):
             step, path, ckpt = pick_checkpoint(log_dir)
         except UserError as e:
             error = str(e)
-    parallel.wait_for_all()  # rank 0 read every candidate, for as long as it took
-    step = parallel.gather_objects(step)[0]  # rank 0's: -1 for nothing to resume, or rank 0 failed
+    step, error = parallel.gather_objects((step, error))[0]  # rank 0's verdict
+    if error:
+        raise UserError(error)
     if rank > 0 and step >= 0:
         path = os.path.join(log_dir, f"model_{step:05d}.pt")
         try:
-            ckpt = read_checkpoint(path)
-        except (ValueError, OSError, MemoryError) as e:
-            error = f"rank {rank} cannot read {path}: {e}"
+            ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+        except Exception as e:  # not there, or unreadable here: this rank's line, then every rank stops
+            error = f"rank {rank} cannot read {path}: {type(e).__name__}: {e}"
             print(f"error: {error}", file=sys.stderr)
-    parallel.wait_for_all()  # the others read it too
-    if parallel.agree(bool(error)):  # any rank's failure, rank 0's included, stops every rank
+    if parallel.agree(bool(error)):
         raise UserError(error or f"another rank could not read {path}: log_dir must be on a filesystem "
                                  f"that every node sees")
     return path, ckpt
@@ -237,26 +255,11 @@ def set_rng_state(state, device):
 # writing: rank 0, atomically; older checkpoints are deleted only once the new one is whole
 
 
-def checkpoint_state(state, val_loss, config):
-    """The checkpoint of state (a TrainState: the model after state.step updates) on rank 0, None
-    elsewhere. Every rank calls it: under FSDP the full state is gathered from all."""
-    model_state, optimizer_state = parallel.full_state(state.raw_model, state.optimizer)
-    if parallel.rank() > 0:
-        return None
-    device = next(state.raw_model.parameters()).device  # its CUDA generator, on a GPU
-    return {'model': model_state, 'optimizer': optimizer_state, 'config': asdict(state.raw_model.config),
-            'train_config': config, 'step': state.step, 'val_loss': val_loss, 'evaluated': state.evaluated,
-            'loader': state.loader.state(), 'rng': rng_state(device), 'bad_steps': state.bad_steps,
-            'scaler': state.scaler.state_dict()}
-
-
 def check_replicas(model, step):
     """Under DDP, that every rank's weights are rank 0's, bit for bit, before a checkpoint: DDP sends
     weights only at the start, so replicas stay equal only while every rank computes the same bits
     (not so across GPU models or library versions). One checksum per rank, gathered; a UserError
-    names the ranks that differ. Under FSDP the ranks hold different shards: nothing to compare."""
-    if parallel.is_sharded(model):
-        return
+    names the ranks that differ. (Under FSDP the ranks hold different shards: nothing to compare.)"""
     sums = parallel.gather_objects(checksum(list(model.parameters())))
     differ = [str(r) for r, s in enumerate(sums) if s != sums[0]]
     if differ:
@@ -282,19 +285,18 @@ def to_host(obj):
     return copy.deepcopy(obj, memo)
 
 
-def save_checkpoint(state, val_loss, config, log_dir, keep_checkpoints):
-    """Rank 0 writes log_dir/model_{step:05d}.pt atomically, then deletes the checkpoints beyond
-    the newest keep_checkpoints. Every rank learns whether it worked: a failed write (a full
-    disk) stops the run, with the earlier checkpoints untouched."""
+def save(ckpt, log_dir, keep_checkpoints):
+    """Rank 0 writes ckpt (a dict; None on the other ranks) to log_dir/model_{step:05d}.pt
+    atomically, then deletes the checkpoints beyond the newest keep_checkpoints. Every rank calls it and
+    learns whether it worked: a failed write (a full disk) stops the run, the earlier checkpoints
+    untouched."""
     error = None
-    check_replicas(state.raw_model, state.step)  # a diverged state is never saved
-    ckpt = checkpoint_state(state, val_loss, config)  # a collective under FSDP: every rank takes part
     if ckpt is not None:
         # The tensors all start for the host at once, where torch.save would wait for each in turn. The
         # checksum is summed on the device after those copies, so its one read waits for them too.
         host = to_host(ckpt)
         host['checksum'] = checksum(ckpt)
-        path = os.path.join(log_dir, f"model_{state.step:05d}.pt")
+        path = os.path.join(log_dir, f"model_{ckpt['step']:05d}.pt")
         for name in ('log.txt', 'samples.txt'):  # the lines the checkpoint vouches for reach the disk first
             log_file = os.path.join(log_dir, name)
             if os.path.exists(log_file):
@@ -340,45 +342,6 @@ def resumed_model_config(ckpt, path, config):
     return GPTConfig.from_dict(have)
 
 
-def restore(state, ckpt, path, max_bad_steps):
-    """Load a checkpoint into state (a TrainState): weights, optimizer, loss scale, data
-    position, RNG states, step, evaluated and bad_steps. The optimizer's settings (weight_decay,
-    Muon's lr_scale and momentum, this device's fused/foreach, ...) stay the fresh optimizer's."""
-    optimizer = state.optimizer
-    if ckpt.get('scaler'):  # a float16 run's loss scale (empty in other precisions)
-        state.scaler.load_state_dict(ckpt['scaler'])
-    # load_state_dict takes the param groups whole, settings included: the checkpoint brings only the
-    # state (moments, momentum buffers), and the groups are this optimizer's own, so that every setting
-    # comes from this config and device (a CPU checkpoint resumed on a GPU gets the fused kernel; lr
-    # is set at every step anyway). Under FSDP each rank loads its own shards.
-    own_groups = dict(ckpt['optimizer'], param_groups=optimizer.state_dict()['param_groups'])
-    parallel.load_full_state(state.raw_model, optimizer, ckpt['model'], own_groups)
-    for st in optimizer.state.values():  # on CPU these would alias the checkpoint's memory map
-        st.update({k: v.clone() for k, v in st.items() if torch.is_tensor(v) and v.device.type == 'cpu'})
-    state.loader.load_state(ckpt['loader'], path)
-    set_rng_state(ckpt['rng'], next(state.raw_model.parameters()).device)
-    if ckpt['bad_steps'] >= max_bad_steps:  # not for an automatic restart to push on: a person decides
-        raise UserError(f"{path} was written after {ckpt['bad_steps']} steps in a row with a non-finite "
-                        f"loss or gradient norm, and max_bad_steps={max_bad_steps}: to go on (after lowering "
-                        f"max_lr, say), raise max_bad_steps above {ckpt['bad_steps']}, or point log_dir "
-                        f"elsewhere to start afresh")
-    state.step, state.evaluated, state.bad_steps = ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
-    if parallel.rank() == 0:
-        print(f"resuming from {path}: step {state.step}, train data at {state.loader.state()['file']} "
-              f"token {state.loader.pos:,}")
-
-
-def stop_after_bad_steps(state, config, keep_checkpoints):
-    """max_bad_steps steps in a row with a non-finite loss or gradient norm: a checkpoint (the last
-    good update's weights, the data position after the skipped batches), then a UserError."""
-    save_checkpoint(state, None, config, config['log_dir'], keep_checkpoints)
-    raise UserError(f"stopped after {state.bad_steps} steps in a row with a non-finite loss or gradient norm "
-                    f"(max_bad_steps={config['max_bad_steps']}); "
-                    f"{os.path.join(config['log_dir'], f'model_{state.step:05d}.pt')} holds the last good "
-                    f"weights, with the data position after the skipped batches; lower max_lr or check the "
-                    f"data, then raise max_bad_steps to resume from it")
-
-
 def prepare_log_dir(log_dir, start, evaluated):
     """Rank 0, before the first step: remove a checkpoint write that a crash cut short, and the log
     lines a crashed run wrote after its checkpoint (all of them for a fresh run). No step is logged
@@ -410,7 +373,7 @@ def claim_log_dir(log_dir):
     """Every rank, before log_dir is read: rank 0 takes log_dir/run.lock (lock_log_dir); a UserError on
     every rank when another run holds it."""
     busy = lock_log_dir(log_dir) if parallel.rank() == 0 else ''
-    parallel.wait_for_all()  # rank 0's work alone, however long a shared file system takes
+    atexit.register(release_log_dir)  # however the run ends
     if parallel.agree(bool(busy)):
         raise UserError(busy or f"log_dir={log_dir} is in use by another run")
 
@@ -464,18 +427,18 @@ def lock_log_dir(log_dir):
     return ''
 
 
-def release_log_dir(log_dir, failed):
-    """As the run ends, however it ends (every rank calls it; rank 0 alone holds the lock): rank 0
-    removes run.lock while it still holds the lock, so that no file names a run that is gone (after
-    a kill -9 the file stays, unlocked, and the next start takes it over). A start that failed also
-    removes the folders that taking the lock made, unless something was written in them, so that a
-    corrected command starts clean and `ls` shows no empty run."""
+def release_log_dir():
+    """As the run ends, however it ends (at exit; rank 0 alone holds the lock): rank 0 removes run.lock
+    while it still holds the lock, so that no file names a run that is gone (after a kill -9 the file
+    stays, unlocked, and the next start takes it over). It also removes the folders that taking the
+    lock made if nothing was written in them (a start that failed), so that a corrected command starts
+    clean and `ls` shows no empty run."""
     global _lock_file
     if _lock_file is None:
         return
     try:
         os.remove(_lock_file.name)  # while it is still locked (lock_log_dir says why)
-        for folder in _made if failed else []:  # log_dir, then the parents it needed
+        for folder in _made:  # log_dir, then the parents it needed
             os.rmdir(folder)  # fails unless empty: a folder that holds anything stays, and so do its parents
     except OSError:
         pass

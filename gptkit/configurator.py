@@ -21,7 +21,6 @@ import types
 
 from gptkit.common import UserError
 from gptkit.hardware import PRECISIONS, device_type
-from gptkit.optim import DECAY_SHAPES, OPTIMIZERS, SCHEDULES
 
 # nanoGPT's and build-nanogpt's names for this trainer's constants
 NANOGPT_NAMES = {'learning_rate': 'max_lr', 'max_iters': 'max_steps', 'lr_decay_iters': 'max_steps',
@@ -109,6 +108,15 @@ def constants_help(defaults):
     return "\n".join(lines)
 
 
+def trainer_defaults():
+    """train_gpt2.py's constants with their defaults, read from its source (importing the flat script
+    would run it): for the tools and tests that take its config."""
+    with open(TRAINER, encoding='utf-8') as f:
+        source = f.read()
+    block = source[source.index('\n# config:'):source.index('\nDEFAULTS = ')]
+    return {node.targets[0].id: ast.literal_eval(node.value) for node in ast.parse(block).body}
+
+
 def accumulation_steps(total_batch_size, B, T, world):
     """grad_accum_steps: total_batch_size // (B * T * world), which must divide; else one line
     that says which total_batch_size or B would."""
@@ -125,9 +133,9 @@ def accumulation_steps(total_batch_size, B, T, world):
 
 
 # the constants that take one of a few values
-CHOICES = {'parallel': ('ddp', 'fsdp'), 'lr_schedule': SCHEDULES, 'decay_shape': DECAY_SHAPES,
-           'optimizer': OPTIMIZERS, 'resume': ('auto', 'never'), 'dtype': ('auto', *sorted(PRECISIONS)),
-           'compile': (True, False, 'auto')}
+CHOICES = {'parallel': ('ddp', 'fsdp'), 'lr_schedule': ('cosine', 'wsd'), 'decay_shape': ('linear', '1-sqrt'),
+           'optimizer': ('adamw', 'muon'), 'resume': ('auto', 'never'),
+           'dtype': ('auto', *sorted(PRECISIONS)), 'compile': (True, False, 'auto')}
 
 
 def check_config(c):

@@ -161,22 +161,11 @@ def fitting_B():
     return max((b for b in plan['divisors'] if plan['need'](b) <= HEADROOM * plan['free']), default=0)
 
 
-def examples_per_batch(B, T):
-    """HellaSwag's batch during training: about as many tokens as a training micro-batch (an example's
-    context and 4 endings come to fewer than 256 tokens), at most hellaswag.py's 32: it fits where a
-    step fits."""
-    return max(1, min(32, B * T // 256))
-
-
-def out_of_memory(error, B, phase):
-    """The one line for error when the device ran out of memory while the run was in phase (the
-    trainer names it); else None."""
-    said = re.search(r'out of memory|can.t allocate memory', str(error))
-    if not (isinstance(error, torch.OutOfMemoryError) or said):
-        return None
-    if not plan:  # before the start counted anything
-        return (f"error: out of memory in {phase} at B={B} on the device: lower B, or free the "
-                f"device's memory (the last checkpoint stands)")
+def out_of_memory(B):
+    """The one line for the device out of memory at micro-batch B (gptkit/parallel.py prints it)."""
+    if not plan:  # B is a number: nothing was counted
+        return (f"error: out of memory at B={B} on the device: lower B, or free the device's memory "
+                f"(the last checkpoint stands)")
     where = f"{plan['device']} ({plan['total'] / 1e9:.1f} GB, {plan['free'] / 1e9:.1f} free at the start)"
     fits = fitting_B()
     if fits >= B:  # the estimate said B fits (fragmentation, another process): the next B down
@@ -190,4 +179,4 @@ def out_of_memory(error, B, phase):
         advice += ": more GPUs or a smaller model"
     else:
         advice += ": parallel='fsdp' under torchrun shards the state"
-    return f"error: out of memory in {phase} at B={B} on {where}: {advice} (the last checkpoint stands)"
+    return f"error: out of memory at B={B} on {where}: {advice} (the last checkpoint stands)"

@@ -252,3 +252,48 @@ class ShardStream:
                             f"but that shard of data_root is {self.state()['file']!r}: resume with the "
                             f"same data_root")
         self.next_shard_if_short()  # total_batch_size may have grown
+
+
+class DataLoaderLite(ShardStream):
+    """Batches of B sequences of T tokens from the shards of one split, read as one stream whose
+    position moves by whole steps, the same on every rank (ShardStream, with the shuffled order and
+    resuming). A step reads one run of B*T*num_processes*accum_steps (+1) tokens; micro-step m of
+    rank r takes its chunk m * num_processes + r: the tokens of a step do not depend on the number
+    of processes."""
+
+    def __init__(self, B, T, process_rank, num_processes, split, data_root, accum_steps=1,
+                 vocab_size=None, shuffle=False, seed=1337):
+        self.B, self.T, self.rank, self.world, self.accum = B, T, process_rank, num_processes, accum_steps
+        self.micro = 0  # the micro-steps of this step read so far
+        step_tokens = B * T * num_processes * accum_steps
+        super().__init__(data_root, split, step_tokens, vocab_size, shuffle, seed, say=process_rank == 0)
+
+    def next_batch(self):
+        import torch
+        B, T = self.B, self.T
+        start = self.pos + (self.micro * self.world + self.rank) * B * T
+        buf = torch.from_numpy(self.tokens[start:start + B * T + 1].astype(np.int64))  # only this chunk
+        x, y = buf[:-1].view(B, T), buf[1:].view(B, T)  # inputs, targets
+        self.micro += 1
+        if self.micro == self.accum:  # this step's run is read: every rank advances alike
+            self.micro = 0
+            self.pos += self.step_tokens
+            self.next_shard_if_short()
+        return x, y
+
+
+def val_batches(tokens, B, T, rank, world):
+    """The val tokens as this rank's batches, made once: (x, y, text), each (batches, B, T), int64 and
+    bool. Rank r takes the sequences of T tokens r, r + world, ...: the values summed over the ranks do
+    not depend on world. Rows past a rank's last sequence are padding (target -1, no loss), so every
+    batch has one shape: one compiled graph. text: the targets that decode to text, for bits per byte
+    (<|endoftext|> and padding: 0 bytes)."""
+    import torch
+    from gptkit.tokenizer import token_byte_lengths
+    n_seq = (len(tokens) - 1) // T
+    mine = list(range(rank, n_seq, world))
+    rows = np.full((-(-len(mine) // B) * B, T + 1), -1)  # whole batches of B rows
+    rows[:len(mine)] = [tokens[j * T:j * T + T + 1] for j in mine]
+    text = (token_byte_lengths()[rows[:, 1:]] > 0) & (rows[:, 1:] >= 0)
+    x, y = torch.from_numpy(rows[:, :-1].clip(0)), torch.from_numpy(rows[:, 1:])
+    return x.view(-1, B, T), y.view(-1, B, T), torch.from_numpy(text).view(-1, B, T)

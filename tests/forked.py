@@ -5,9 +5,9 @@ Most of a short run's seconds are Python starting and stopping, not training: im
 (~1.5 s), torch._dynamo (torch.optim imports it: ~1 s) and the rest, then tearing them down at
 exit (~1 s). Here they are imported once per test process (PRELOAD) and every run is a fork of
 it: a process of its own, with the command's argv, working folder, environment, signals, exit
-code, and stdout/stderr at file descriptors 1 and 2, as the real command has. What differs: the
-interpreter's teardown is skipped (os._exit after flushing; nothing of ours needs it: every file
-that matters is closed and renamed before main returns). Two things cannot be had in a fork,
+code, and stdout/stderr at file descriptors 1 and 2, as the real command has: an uncaught error goes
+to sys.excepthook and the command's atexit functions run, as python does. What differs: the rest of
+the interpreter's teardown is skipped (os._exit after flushing). Two things cannot be had in a fork,
 so a command that needs them runs as a real subprocess (and every command does under a CUDA or ROCm
 build of torch: gpu_build): variables read when torch is imported
 (a command whose environment changes anything but RUNTIME_ENV), and more than one thread (the
@@ -31,7 +31,8 @@ import traceback
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "train_gpt2")
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "model", "hellaswag", "gptkit.checkpoint",
+           "gptkit.configurator", "gptkit.run_record")  # the trainer's imports (it runs when imported)
 # read when a run reads them, never at import: the same in a fork as in a fresh interpreter
 RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "FREE_0", "FREE_1", "FAULT",
                "WANDB_MODE", "WANDB_SILENT"}
@@ -226,6 +227,8 @@ def _child(cmd, cwd, env, to, new_session):
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         sys.excepthook, sys.unraisablehook = sys.__excepthook__, sys.__unraisablehook__  # pytest's report
+        import atexit
+        atexit._clear()  # the test process's: the command's own run at its end
         threading.excepthook = threading.__excepthook__  # nothing: an error in a thread went unseen
         import faulthandler
         import logging
@@ -271,8 +274,13 @@ def _child(cmd, cwd, env, to, new_session):
         tb, ours = e.__traceback__, (__file__, getattr(sys.modules.get("runpy"), "__file__", ""))
         while tb and tb.tb_frame.f_code.co_filename in ours:
             tb = tb.tb_next
-        traceback.print_exception(type(e), e, tb)
+        sys.excepthook(type(e), e, tb)  # as python reports it: the command's own hook, if it set one
         interrupted = isinstance(e, KeyboardInterrupt)
+    try:
+        import atexit
+        atexit._run_exitfuncs()  # as python does at exit (the trainer leaves its process group, its log_dir)
+    except BaseException:  # reported by _run_exitfuncs itself
+        pass
     for f in (sys.stdout, sys.stderr):  # as python flushes them at exit: one that fails is reported, 120
         try:
             if f is not None and not getattr(f, "closed", False):
