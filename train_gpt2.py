@@ -29,7 +29,7 @@ from gptkit.cpu import fuse_loss, reuse_freed_memory
 from gptkit.hardware import autocast, choose_precision, peak_flops, pick_device
 from gptkit.parallel import agree, first_step_timeout, set_collective_timeout, state_mib
 from gptkit.shards import DataLoaderLite, find_shards, load_val_tokens, val_batches
-from gptkit.tokenizer import N_VOCAB, get_gpt2_encoding, utf8_bytes
+from gptkit.tokenizer import get_gpt2_encoding, utf8_bytes
 from model import GPT, GPTConfig, flops_per_token
 
 # -----------------------------------------------------------------------------
@@ -334,15 +334,15 @@ for step in range(start_step, max_steps + 1):
                 print(f"step {step:5d} | hellaswag acc_norm {correct_norm}/{n} = {correct_norm / n:.4f} "
                       f"(acc {correct / n:.4f})")
                 run_record.log(log_dir, f"{step} hella {correct_norm / n:.4f}")
-        if do_sample and master_process and vocab >= N_VOCAB:  # 4 continuations of sample_prompt
-            enc = get_gpt2_encoding()
+        enc = get_gpt2_encoding()
+        if do_sample and master_process and vocab >= enc.n_vocab:  # 4 continuations of sample_prompt
             prompt = enc.encode(sample_prompt)[-raw_model.config.block_size:] or [enc.eot_token]
             tokens = torch.tensor([prompt] * 4, dtype=torch.long, device=device)
             rng = torch.Generator(device=device).manual_seed(42 + step)  # a resumed run writes the same ones
             eval_raw.eval()
             with autocast(device, dtype):
                 out = eval_raw.generate(tokens, sample_length, top_k=50, generator=rng)
-            texts = [enc.decode([t for t in row if t < N_VOCAB]) for row in out.tolist()]  # padding: no text
+            texts = [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]  # padding: no text
             run_record.samples(log_dir, [f"step {step} sample {i}: {text!r}" for i, text in enumerate(texts)])
         if sharded:
             eval_model = eval_raw = None  # the gathered copy goes

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from conftest import write_shards
-from train_gpt2 import DataLoaderLite, UserError, load_val_tokens
+from gptkit.common import UserError
+from gptkit.shards import DataLoaderLite, load_val_tokens
 
 B, T = 2, 4  # chunks of 8 tokens
 

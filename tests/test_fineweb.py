@@ -14,7 +14,7 @@ import fineweb
 from gptkit import shards
 import forked
 from conftest import ROOT, one_thread
-from train_gpt2 import DataLoaderLite
+from gptkit.shards import DataLoaderLite
 
 WORDS = ("the a model token shard Python ünïcödé 数据 emoji🙂 code def class return "
          "42 3.14 \n\n").split(" ")

@@ -13,7 +13,8 @@ import torch
 from conftest import TINY, read_log, run_script, write_shards
 from test_data import expected_runs
 from gptkit.tokenizer import EOT
-from train_gpt2 import DataLoaderLite, UserError
+from gptkit.common import UserError
+from gptkit.shards import DataLoaderLite
 
 T = 4
 VOCAB = 50304  # GPT-2's padded vocabulary: EOT (50256) is below it

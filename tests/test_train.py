@@ -10,10 +10,27 @@ from conftest import TINY, one_thread, random_shards, read_log, run_script, writ
 from gptkit.hardware import cpu_has_bf16
 from model import GPT, GPTConfig
 from test_hellaswag import make_examples, write_file
-from train_gpt2 import evaluate, load_val_tokens
+from gptkit.hardware import autocast
+from gptkit.shards import load_val_tokens
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A language model predicts the next token. "
         "Gradient descent lowers the loss one small step at a time. ") * 40
+
+
+def val_reference(model, tokens, T, dtype, enc):
+    """(mean loss, bits per byte) of model over the len(tokens) // T sequences of T tokens, one
+    sequence at a time, from the logits: the reference for the trainer's batched, all-reduced eval."""
+    losses, text_bits, n_bytes = [], 0.0, 0
+    with torch.no_grad(), autocast("cpu", dtype):
+        for j in range((len(tokens) - 1) // T):
+            seq = torch.tensor(tokens[j * T:j * T + T + 1].astype(np.int64))
+            logits, _ = model(seq[None, :-1])
+            loss = torch.nn.functional.cross_entropy(logits[0].float(), seq[1:], reduction="none")
+            sizes = [len(enc.decode_single_token_bytes(t)) if t < 50256 else 0 for t in seq[1:].tolist()]
+            losses += loss.tolist()
+            text_bits += sum(v for v, b in zip(loss.tolist(), sizes) if b) / np.log(2)
+            n_bytes += sum(sizes)
+    return float(np.mean(losses)), text_bits / n_bytes
 
 
 def test_end_to_end_tiny_run(tmp_path, enc):
@@ -61,7 +78,7 @@ def test_end_to_end_tiny_run(tmp_path, enc):
     model = GPT(GPTConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])  # plain keys: no _orig_mod. or module. prefixes
     # the checkpoint is the model that was evaluated at step 20
-    val, bpb = evaluate(model, load_val_tokens(str(data), 512), 4, 32, "cpu", dtype)
+    val, bpb = val_reference(model.eval(), load_val_tokens(str(data), 512), 32, dtype, enc)
     assert abs(val - ckpt["val_loss"]) < 1e-4 and abs(bpb - log["bpb"][20]) < 1e-4
 
 
@@ -175,15 +192,31 @@ def test_hellaswag_in_training_same_for_any_world_size(tmp_path):
     assert re.search(r"hellaswag acc_norm \d+/31 = ", two.stdout)
 
 
-def test_evaluate_builds_no_graph():
-    """Eval runs without autograd: a graph per val batch would hold its activations and logits
-    until the end of the eval (gigabytes per batch at the default sizes)."""
-    model = GPT(GPTConfig(block_size=32, vocab_size=512, n_layer=1, n_head=2, n_embd=32))
-    seen = []
-    model.register_forward_hook(lambda m, i, o: seen.append((torch.is_grad_enabled(), o[1].requires_grad)))
-    tokens = np.random.default_rng(0).integers(0, 512, 16 * 5 + 1).astype(np.uint16)
-    loss, _ = evaluate(model, tokens, 2, 16, "cpu", "float32")
-    assert seen == [(False, False)] * 3 and 5 < loss < 7.5 and model.training
+def test_evaluate_builds_no_graph(tmp_path):
+    """The val eval runs without autograd: a graph per val batch would hold its activations and logits
+    until the end of the eval (gigabytes per batch at the default sizes). Every forward of the trainer's
+    val eval (reduction='none') is seen, in a run that evaluates twice."""
+    data = random_shards(tmp_path / "data", 0, 16 * 5 + 1, [2000])
+    wrapper = tmp_path / "probe.py"
+    wrapper.write_text(
+        "import os, runpy, sys, torch, model\n"
+        "seen, forward = [], model.GPT.forward\n"
+        "def probe(self, idx, targets=None, **kw):\n"
+        "    out = forward(self, idx, targets, **kw)\n"
+        "    seen.append((kw.get('reduction', 'mean'), torch.is_grad_enabled(), out[1].requires_grad))\n"
+        "    return out\n"
+        "model.GPT.forward = probe\n"
+        "try:\n"
+        "    runpy.run_path(os.path.join(os.environ['PYTHONPATH'], 'train_gpt2.py'), run_name='__main__')\n"
+        "finally:\n"
+        "    print('SEEN', sorted(set(seen)), sum(s[0] == 'none' for s in seen))\n")
+    r = run_script([*TINY, f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--vocab_size=512", "--B=2",
+                    "--T=16", "--total_batch_size=32", "--max_steps=2", "--eval_interval=2", "--val_tokens=80",
+                    "--sample_interval=0", "--hellaswag=False"], script=str(wrapper),
+                   PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    # 5 sequences of 16 in batches of 2: 3 batches per eval, evals at steps 0 and 2
+    assert "SEEN [('none', False, False)] 6" in r.stdout, r.stdout[-2000:]
 
 
 def test_empty_hellaswag_file_is_one_line_before_training(tmp_path):
