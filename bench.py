@@ -6,8 +6,9 @@ Speed and memory of the training step, the instrument behind every speed claim o
     python bench.py --bench_profile=True   # on CUDA: then one step under torch.profiler, by kernel kind
 
 Takes the trainer's configuration (same constants, files and overrides; dtype and compile
-"auto" resolved as the trainer resolves them), runs bench_warmup + bench_steps optimizer steps of
-train_gpt2.train_step on random tokens (no disk I/O), and prints tok/s, model FLOPs per token,
+"auto" resolved as the trainer resolves them), runs train_gpt2.py itself for bench_warmup +
+bench_steps optimizer steps on a shard of random tokens (no evals, samples or HellaSwag), reads
+each step's dt from its output, and prints tok/s, model FLOPs per token,
 the achieved FLOP/s as a fraction of the device's matmul rate in the same dtype (measured in this
 run; not on a CPU, where no peak holds: hardware.peak_flops), and peak memory. Then, unless
 --bench_baseline=False, the same steps as build-nanogpt takes them (full logits, F.cross_entropy,
@@ -23,6 +24,7 @@ import collections
 import itertools
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -35,10 +37,10 @@ import torch.nn.functional as F
 
 import hellaswag
 from gptkit import memory
-import train_gpt2
-from gptkit.configurator import accumulation_steps, parse_config
+from gptkit.configurator import accumulation_steps, parse_config, trainer_defaults
 from gptkit.common import UserError
-from gptkit.hardware import autocast, choose_precision, cpu_has_bf16, matmul_flops, sync
+from gptkit.hardware import autocast, choose_precision, cpu_has_bf16, matmul_flops, pick_device, sync
+from gptkit.shards import DataLoaderLite
 from gptkit.run_record import device_name
 from model import GPT, GPTConfig, flops_per_token
 from gptkit.tokenizer import EOT, N_VOCAB
@@ -91,7 +93,7 @@ def time_loader(c, folder, shuffle):
     total_batch_size, one process."""
     B, T = c['B'], c['T']
     accum = max(1, c['total_batch_size'] // (B * T))
-    loader = train_gpt2.DataLoaderLite(B, T, 0, 1, 'train', folder, accum, shuffle=shuffle, seed=c['seed'])
+    loader = DataLoaderLite(B, T, 0, 1, 'train', folder, accum, shuffle=shuffle, seed=c['seed'])
     t0 = time.perf_counter()
     for _ in range(loader.steps_per_epoch * accum):  # the whole shard
         loader.next_batch()
@@ -110,54 +112,101 @@ def nanogpt_forward(self, idx, targets):
     return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def nanogpt_step(state, grad_accum, lr, grad_clip, device, dtype):
-    """build-nanogpt's training step: autocast (it knows bf16 only), loss.backward(), clip at 1.0
-    (whatever grad_clip: the arguments are train_step's, and so is the loss first in what it returns)."""
-    state.optimizer.zero_grad()
+def nanogpt_step(model, optimizer, loader, grad_accum, lr, device, dtype):
+    """build-nanogpt's training step: autocast (it knows bf16 only), loss.backward(), clip at 1.0."""
+    optimizer.zero_grad()
     loss_accum = 0.0
     for _ in range(grad_accum):
-        x, y = state.loader.next_batch()
+        x, y = loader.next_batch()
         x, y = x.to(device), y.to(device)
         with autocast(device, dtype):
-            _, loss = state.model(x, y)
+            _, loss = model(x, y)
         loss = loss / grad_accum
         loss_accum += loss.detach()
         loss.backward()
-    torch.nn.utils.clip_grad_norm_(state.model.parameters(), 1.0)
-    for group in state.optimizer.param_groups:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    for group in optimizer.param_groups:
         group['lr'] = lr
-    state.optimizer.step()
-    return (loss_accum,)
+    optimizer.step()
+    return loss_accum
 
 
-def time_steps(c, role):
-    """In this process (a fresh one per role): seconds per optimizer step (the mean of bench_steps
-    after bench_warmup) and peak memory of the trainer's step ("ours": train_gpt2.train_step, with
-    cpu_reuse_memory as configured) or of build-nanogpt's ("baseline": its forward and step, and
-    glibc's default memory handling). Printed as one JSON line for the parent."""
-    ours = role == 'ours'
-    _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'] and ours)  # TF32 on CUDA
-    if not ours:
-        GPT.forward = nanogpt_forward
+def time_baseline(c):
+    """In this process (a fresh one): seconds per optimizer step (the mean of bench_steps after
+    bench_warmup) and peak memory of build-nanogpt's step (its forward and step, glibc's default
+    memory handling) on c's model, dtype and batch, on random tokens. Printed as one JSON line."""
+    device = pick_device(c['device'])
+    if device.startswith('cuda'):
+        torch.set_float32_matmul_precision('high')  # TF32, as build-nanogpt sets it
+    GPT.forward = nanogpt_forward
     torch.manual_seed(c['seed'])
     model = GPT(GPTConfig.from_dict(c)).to(device)
-    device_type = torch.device(device).type
-    optimizer = model.configure_optimizers(c['weight_decay'], c['max_lr'], device_type)
-    scaler = torch.amp.GradScaler(device_type, enabled=c['dtype'] == 'float16')
+    optimizer = model.configure_optimizers(c['weight_decay'], c['max_lr'], torch.device(device).type)
     compiled = torch.compile(model, dynamic=False) if c['compile'] else model
     loader = RandomTokens(c['B'], c['T'], c['vocab_size'])
-    state = train_gpt2.TrainState(compiled, model, optimizer, scaler, loader)
     grad_accum = accumulation_steps(c['total_batch_size'], c['B'], c['T'], 1)
-    args = (grad_accum, c['max_lr'], c['grad_clip'], device, c['dtype'])
-    train_step = train_gpt2.train_step if ours else nanogpt_step
-    step = lambda: train_step(state, *args)[0].item()  # .item() waits for the device, as both trainers do
+    args = (compiled, optimizer, loader, grad_accum, c['max_lr'], device, c['dtype'])
+    step = lambda: nanogpt_step(*args).item()  # .item() waits for the device, as both trainers do
     for _ in range(c['bench_warmup']):
         step()
     dt = seconds(device, lambda: [step() for _ in range(c['bench_steps'])])[0] / c['bench_steps']
-    if c['bench_profile'] and ours and device.startswith('cuda'):
-        profile_step(step, dt)
     print(json.dumps({'dt': dt, 'peak': peak_memory_mib(device), 'threads': torch.get_num_threads(),
                       'params': sum(p.numel() for p in model.parameters())}))
+
+
+# The trainer as `python train_gpt2.py ARGS` runs it, then its peak memory and threads as one JSON
+# line; with BENCH_PROFILE set, the step after the warmup (BENCH_PROFILE steps) under torch.profiler.
+OURS = r"""
+import json, os, resource, runpy, sys, torch
+from gptkit import run_record
+sys.argv = ['train_gpt2.py', *sys.argv[1:]]
+warmup, prof = int(os.environ.get('BENCH_PROFILE', -1)), None
+if warmup >= 0 and torch.cuda.is_available():
+    import bench
+    from torch.profiler import ProfilerActivity, profile
+    log, steps, prof = run_record.log, [], profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    def counting(log_dir, line):  # rank 0 logs each step's train loss once its step is done
+        steps.append(line) if ' train ' in line else None
+        if len(steps) == warmup and ' train ' in line:
+            prof.start()
+        if len(steps) == warmup + 1 and ' train ' in line:
+            torch.cuda.synchronize()
+            prof.stop()
+        log(log_dir, line)
+    run_record.log = counting
+runpy.run_path('train_gpt2.py', run_name='__main__')
+if prof is not None:
+    bench.print_profile(prof)
+cuda = torch.cuda.is_available()
+peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 10)
+print(json.dumps({'peak': peak, 'threads': torch.get_num_threads()}))
+"""
+
+
+def time_ours(c, argv):
+    """train_gpt2.py itself, in a process of its own, on a shard of random tokens: seconds per step
+    (the mean of the dt it prints for bench_steps steps after bench_warmup), peak memory (torch's on a
+    GPU, the process's RSS on a CPU), its threads and parameters."""
+    steps = c['bench_warmup'] + c['bench_steps']
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic_shard(tmp, (steps + 1) * c['total_batch_size'] + 1)
+        args = [*argv, f"--data_root={tmp}", f"--log_dir={os.path.join(tmp, 'log')}", f"--max_steps={steps}",
+                "--eval_interval=0", "--sample_interval=0", "--hellaswag=False", "--checkpoint_interval=0",
+                "--shuffle=False", "--wandb_log=False"]
+        env = dict(os.environ, BENCH_PROFILE=str(c['bench_warmup'] if c['bench_profile'] else -1))
+        r = subprocess.run([sys.executable, "-c", OURS, *args], cwd=None, capture_output=True, text=True,
+                           env=dict(env, PYTHONPATH=ROOT))
+        if r.returncode:
+            sys.exit(f"error: the trainer exited {r.returncode}:\n{r.stderr[-3000:]}")
+    out = r.stdout.strip().splitlines()
+    dts = [float(m[1]) / 1e3 for line in out if (m := re.search(r'\| dt (\d+\.\d+)ms', line))]
+    for line in out[next(i for i, line in enumerate(out) if line.startswith('step')):]:
+        if line.startswith(('profile', 'costliest', '  ')):  # print_profile's lines, after the config's
+            print(line)
+    result = json.loads(out[-1])
+    result['params'] = int(re.search(r'^parameters: ([\d,]+)', r.stdout, re.M)[1].replace(',', ''))
+    return dict(result, dt=sum(dts[c['bench_warmup']:]) / c['bench_steps'])
 
 
 # kernel name fragments -> where the time goes; the first match counts: attention before matmul
@@ -174,21 +223,16 @@ def kernel_kind(name):
     return next((kind for kind, frags in KERNEL_KINDS if any(f in name.lower() for f in frags)), 'other')
 
 
-def profile_step(step, dt):
-    """One more step under torch.profiler: its GPU kernel time by kind and the 12 costliest kernels
-    (printed before the JSON line); what the kernels leave of the step's time is the GPU idle."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
+def print_profile(prof):
+    """One step under torch.profiler: its GPU kernel time by kind and the 12 costliest kernels
+    (printed before the JSON line)."""
     kernels = sorted((e for e in prof.key_averages() if e.device_type.name == 'CUDA'),
                      key=lambda e: -e.self_device_time_total)  # microseconds
     kinds = collections.Counter()
     for e in kernels:
         kinds[kernel_kind(e.key)] += e.self_device_time_total / 1e3
     total = sum(kinds.values())
-    print(f"profile of one step: {dt * 1e3:.1f} ms per step untraced; GPU kernels {total:.1f} ms, so the GPU "
-          f"is idle for ~{max(0.0, dt * 1e3 - total):.1f} ms of it")
+    print(f"profile of one step: GPU kernels {total:.1f} ms (the GPU idles for the rest of its dt)")
     for kind, ms in kinds.most_common():
         print(f"  {kind:30s} {ms:8.1f} ms  {ms / max(total, 1e-9):6.1%}")
     print("costliest kernels (ms, calls):")
@@ -196,16 +240,12 @@ def profile_step(step, dt):
         print(f"  {e.self_device_time_total / 1e3:8.1f} {e.count:6d}  {e.key[:110]}")
 
 
-def measure(argv, role):
-    """time_steps(role) in a new process: each measurement starts from a clean heap, and the peak
-    memory is its own."""
-    r, _ = run_python([os.path.abspath(__file__), *argv, f"--bench_role={role}"], f"the {role} measurement",
-                      cwd=None)  # the caller's folder: its config files are relative to it
-    *profile, result = r.stdout.strip().splitlines()
-    for line in profile:
-        if line.startswith(('profile', '  ', 'costliest')):  # profile_step's lines
-            print(line)
-    return json.loads(result)
+def measure(argv, c):
+    """time_baseline in a new process: it starts from a clean heap, and the peak memory is its own."""
+    bench = [f"--bench_{k}={c[f'bench_{k}']}" for k in ('steps', 'warmup')]
+    r, _ = run_python([os.path.abspath(__file__), *argv, *bench, "--bench_role=baseline"],
+                      "the baseline measurement", cwd=None)  # the caller's folder: its config files
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def print_flops(c, device, tok_per_s):
@@ -229,8 +269,8 @@ def bench_step(c, argv, device):
     B, T, step_tokens = c['B'], c['T'], c['total_batch_size']
     grad_accum = accumulation_steps(step_tokens, B, T, 1)  # no multiple of B*T: the trainer's error
     argv = [*argv, f"--dtype={c['dtype']}", f"--compile={c['compile']}", f"--B={B}"]  # the same in both
-    ours = measure(argv, 'ours')
-    base = measure(argv, 'baseline') if c['bench_baseline'] else None
+    ours = time_ours(c, argv)
+    base = measure(argv, c) if c['bench_baseline'] else None
 
     print(f"model: {ours['params'] / 1e6:.2f}M parameters, n_layer={c['n_layer']} n_head={c['n_head']} "
           f"n_embd={c['n_embd']} vocab={c['vocab_size']}")
@@ -331,16 +371,16 @@ def bench_hellaswag_process(c):
 
 
 def main():
-    defaults = dict(train_gpt2.DEFAULTS, bench_steps=5, bench_warmup=2, bench_baseline=True, bench_role="",
+    defaults = dict(trainer_defaults(), bench_steps=5, bench_warmup=2, bench_baseline=True, bench_role="",
                     bench_hellaswag_process=False, bench_hellaswag_examples=500, bench_profile=False)
     try:
         c = parse_config(sys.argv[1:], defaults, __doc__)
         if c['bench_role']:  # a child process of bench_step
-            return time_steps(c, c['bench_role'])
+            return time_baseline(c)
         if c['bench_hellaswag_process']:
             return bench_hellaswag_process(c)
-        _, _, device = train_gpt2.setup_device(c['device'], c['cpu_reuse_memory'])  # TF32 on CUDA, as trained
-        return bench_step(c, sys.argv[1:], device)
+        device = pick_device(c['device'])
+        return bench_step(c, [a for a in sys.argv[1:] if not a.startswith('--bench_')], device)
     except UserError as e:  # a key, a value or a device that is not right here
         sys.exit(f"error: {e}")
 

@@ -16,7 +16,8 @@ import sys
 import tempfile
 
 from gptkit.common import UserError
-from model import HF_MASK_BUFFERS, read_checkpoint_weights, to_hf_state_dict
+from gptkit.loading import read_checkpoint_weights
+from model import HF_MASK_BUFFERS, to_hf_state_dict
 from gptkit.tokenizer import EOT, N_VOCAB, local_gpt2_folder
 
 

@@ -10,14 +10,9 @@ context. acc picks the ending of lowest summed loss, acc_norm the lowest mean lo
 Rows are rendered as build-nanogpt renders them (context tokens, then " " + ending tokens), so the
 figures compare with its published ones.
 """
-import argparse
 import contextlib
-import http.client
 import json
 import os
-import random
-import sys
-import urllib.request
 
 import torch
 
@@ -25,7 +20,6 @@ from gptkit import cpu
 from gptkit.common import UserError, atomic_write
 from gptkit.hardware import autocast, pick_device
 from gptkit.tokenizer import N_VOCAB, get_gpt2_encoding
-from model import load_model
 
 URLS = {split: f"https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
         for split in ("train", "val", "test")}
@@ -39,6 +33,8 @@ def download(split, cache_dir=CACHE_DIR, url=None):
     if os.path.isfile(path):
         return path
     url = url or URLS[split]
+    import http.client
+    import urllib.request
 
     try:  # read whole (about 11 MB) before the folder is made: a failed download leaves nothing behind
         from tqdm import tqdm
@@ -82,52 +78,68 @@ def iterate_examples(split="val", file=None, cache_dir=CACHE_DIR):
             yield example
 
 
-def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1):
+def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1, one_shape=False):
     """Rank's share of the examples, made once on the host into what ending_losses takes, on device:
-    (batches, labels). Examples are dealt to the ranks in turn, E = batch_examples to a batch, and
-    every batch has one shape (one compiled graph): x (4E, T), the 4 rows of each example (its context
-    and an ending) right-padded to the longest row of all, at (M,), the positions in x.view(-1) that
-    predict ending tokens, y (M,), those tokens, and row (M,), the row of each among all of the rank's
-    (4 * len(labels): padding, as M is the most that a batch scores). A row longer than block_size
-    loses context tokens from the left; its ending must fit."""
-    enc, rows, long = get_gpt2_encoding(), [], 0
+    (batches, labels). An example is one packed row: its context once, then its 4 endings, each at
+    the positions right after the context and seeing only the context and itself (as 4 separate rows
+    would, for about half the tokens). The examples are sorted by length and dealt to the ranks in turn,
+    E = batch_examples to a batch: x (E, L), the rows right-padded; seg (E, L), what each token is
+    (0 context, 1-4 an ending, 5 padding); pos (E, L), its position; at (M,), the places in x.view(-1)
+    that predict ending tokens; y (M,), those tokens; row (M,), the ending of each among all of the
+    rank's (4 * len(labels): padding). With one_shape (compiled) every batch has the largest one's
+    shape: one graph. A context too long for an ending loses tokens from the left."""
+    enc, packed, long = get_gpt2_encoding(), [], 0
     for example in examples:
         ctx = enc.encode(example['ctx'])
-        long += any(len(ctx + enc.encode(" " + e)) > block_size for e in example['endings'])
-        for ending in example['endings']:
-            t = ctx + enc.encode(" " + ending)  # as build-nanogpt renders it
-            cut = max(0, len(t) - block_size)
-            if cut > len(ctx):
-                raise UserError(f"an ending of {len(t) - len(ctx)} tokens does not fit in "
-                                f"block_size={block_size}")
-            rows.append((t[cut:], max(len(ctx) - cut, 1)))  # the row, and its first scored token (not 0)
+        endings = [enc.encode(" " + ending) for ending in example['endings']]  # as build-nanogpt renders them
+        cut = max(0, len(ctx) + max(map(len, endings)) - block_size)
+        if cut > len(ctx):
+            raise UserError(f"an ending of {max(map(len, endings))} tokens does not fit in "
+                            f"block_size={block_size}")
+        long += cut > 0
+        packed.append((ctx[cut:], endings))
     if long and rank == 0:
         print(f"hellaswag: {long} examples are longer than block_size={block_size}: "
               f"their contexts lose tokens from the left")
-    mine, E = list(range(rank, len(examples), world)), batch_examples
-    T = max((len(rows[4 * j + r][0]) for j in mine for r in range(4)), default=1)
-    scored = [sum(len(t) - s for t, s in rows[4 * j:4 * j + 4]) for j in mine]
-    M = max((sum(scored[i:i + E]) for i in range(0, len(mine), E)), default=0)
+    length = lambda j: len(packed[j][0]) + sum(map(len, packed[j][1]))
+    mine = sorted(range(len(examples)), key=length)[rank::world]  # a batch's rows are about as long
+    groups = [mine[i:i + batch_examples] for i in range(0, len(mine), batch_examples)]
+    shapes = [(len(g), max(map(length, g)), sum(length(j) - len(packed[j][0]) for j in g)) for g in groups]
+    if one_shape:  # (rows, L, M) of the largest
+        shapes = [(batch_examples, max(s[1] for s in shapes), max(s[2] for s in shapes))] * len(groups)
     batches = []
-    for i in range(0, len(mine), E):
-        x, at, y, row = torch.zeros(4 * E, T, dtype=torch.long), [], [], []
-        for r, (t, s) in enumerate(rows[4 * j + k] for j in mine[i:i + E] for k in range(4)):
-            x[r, :len(t)] = torch.tensor(t)
-            at += range(r * T + s - 1, r * T + len(t) - 1)  # the position before each ending token
-            y += t[s:]
-            row += [4 * i + r] * (len(t) - s)
+    for b, (g, (E, L, M)) in enumerate(zip(groups, shapes)):
+        x, seg, pos = (torch.full((E, L), fill, dtype=torch.long) for fill in (0, 5, 0))
+        at, y, row = [], [], []
+        for r, j in enumerate(g):
+            ctx, endings = packed[j]
+            c, start = len(ctx), r * L + len(ctx)  # start: where the next ending begins in x.view(-1)
+            x[r, :c], seg[r, :c], pos[r, :c] = torch.tensor(ctx, dtype=torch.long), 0, torch.arange(c)
+            for i, e in enumerate(endings):
+                n, first = len(e), int(c == 0)  # no context: an ending's first token is not scored
+                x[r, start - r * L:start - r * L + n] = torch.tensor(e)
+                seg[r, start - r * L:start - r * L + n] = i + 1
+                pos[r, start - r * L:start - r * L + n] = torch.arange(c, c + n)
+                at += ([r * L + c - 1] if c else []) + list(range(start, start + n - 1))  # what predicts each
+                y += e[first:]
+                row += [4 * (b * batch_examples + r) + i] * (n - first)
+                start += n
         pad = M - len(y)
-        batches.append((x.to(device), torch.tensor(at + [0] * pad, device=device),
-                        torch.tensor(y + [0] * pad, device=device),
-                        torch.tensor(row + [4 * len(mine)] * pad, device=device)))
+        batches.append(tuple(t.to(device) for t in (x, seg, pos, torch.tensor(at + [0] * pad),
+                                                    torch.tensor(y + [0] * pad),
+                                                    torch.tensor(row + [4 * len(mine)] * pad))))
     return batches, torch.tensor([examples[j]['label'] for j in mine], device=device)
 
 
-def batch_losses(model, x, at, y):
+def batch_losses(model, x, seg, pos, at, y):
     """The losses (M,) of the ending tokens y of a batch of prepare's: each one's cross-entropy, in
-    float32, after the tokens before it in its row. Shapes fixed by the batch, and no op whose
-    output's size depends on the data: nothing waits for the host, and compiled it is one graph."""
-    h = model.hidden_states(x).flatten(0, 1)[at]  # (M, n_embd): the output layer runs only where needed
+    float32, after its context and the tokens before it in its ending. Shapes fixed by the batch, and
+    no op whose output's size depends on the data: nothing waits for the host, and compiled it is one
+    graph."""
+    causal = torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device).tril()
+    sees = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (E, L, L): context, or its own
+    h = model.hidden_states(x, pos=pos, mask=(sees & causal)[:, None])  # (E, L, n_embd)
+    h = h.flatten(0, 1)[at]  # (M, n_embd): the output layer runs only where an ending token is next
     if h.is_cpu:  # the CPU's way: the vocabulary in blocks that stay in cache (gptkit/cpu.py)
         return cpu.token_losses(h, model.lm_head.weight, y)
     logits = model.lm_head(h).float()  # (M, vocab)
@@ -143,8 +155,8 @@ def ending_losses(model, prepared, dtype="float32", compile=False):
     sums = torch.zeros(2, 4 * len(labels) + 1, device=device)  # per row: summed losses, scored tokens
     faster = contextlib.nullcontext() if compile else cpu.blocks_through_onednn(model)  # CPU, float32: oneDNN
     with autocast(device, dtype), faster:
-        for x, at, y, row in batches:
-            losses = f(model, x, at, y)
+        for *batch, row in batches:
+            losses = f(model, *batch)
             sums.index_add_(1, row, torch.stack((losses, torch.ones_like(losses))))
     return sums[0, :-1], sums[0, :-1] / sums[1, :-1]
 
@@ -158,7 +170,7 @@ def evaluate(model, prepared, dtype="float32", compile=False):
     return torch.cat((labels.new_tensor([len(labels)]), picks.sum(1)))
 
 
-def load_for_training(file, model, batch_examples, device):
+def load_for_training(file, model, batch_examples, device, one_shape=False):
     """For train_gpt2.py's evals: this rank's batches of the val examples (file, else the cached or
     downloaded split), prepared and on the device once for the whole run. A run that cannot score
     them stops here, before its first step, with one line (a UserError on every rank): HellaSwag is
@@ -187,13 +199,14 @@ def load_for_training(file, model, batch_examples, device):
         raise UserError(f"no HellaSwag eval: {why or 'not on every node'}; pass --hellaswag_file=PATH "
                         f"(a HellaSwag val jsonl file) or --hellaswag=False")
     return prepare(examples, model.config.block_size, device, batch_examples, parallel.rank(),
-                   parallel.world_size())
+                   parallel.world_size(), one_shape)
 
 
 def synthetic_examples(n, seed=0):
     """n made-up examples in HellaSwag's format, for benchmarks and checks: as long as the val
     split's first ones (ActivityNet captions, the ones --limit takes), contexts of 6-36 words,
     endings of 3-20."""
+    import random
     rng = random.Random(seed)
     words = ("a the man woman boy girl people is are then seen shown standing holding ball dog camera "
              "while with on in into front of water field kitchen begins continues to walk talk play "
@@ -212,6 +225,8 @@ def write_synthetic(path, n, seed=0):
 
 
 def main(argv=None):
+    import argparse
+    import sys
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--model', default='gpt2', help="gpt2 (or -medium, -large, -xl), a HF model folder, a .pt "
                                                    "checkpoint, or a run's log_dir (its newest checkpoint)")
@@ -224,8 +239,7 @@ def main(argv=None):
     p.add_argument('--batch_examples', type=int, default=32,
                    help="examples per batch (default: %(default)s)")
     args = p.parse_args(argv)
-    # here, not atop: `import hellaswag` stays without gptkit/parallel.py (docs/benchmarks.md)
-    from gptkit.checkpoint import model_in
+    from gptkit.loading import load_model  # here, not atop: the trainer's `import hellaswag` stays light
     try:
         device = pick_device(args.device)
         examples = list(iterate_examples(args.split, args.file))[:args.limit or None]
@@ -234,7 +248,7 @@ def main(argv=None):
     if device == 'cpu':
         cpu.reuse_freed_memory()  # no page faults per forward (docs/benchmarks.md)
     try:
-        model = load_model(model_in(args.model), device)
+        model = load_model(args.model, device)
     except (UserError, ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     from tqdm import tqdm

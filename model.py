@@ -6,7 +6,6 @@ with only the Conv1D transposes.
 """
 import json
 import os
-import pickle
 from dataclasses import dataclass, fields
 
 import torch
@@ -48,21 +47,17 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
-    def forward(self, x, kv_cache=None, start_pos=0):
+    def forward(self, x, mask=None, kv_cache=None, start_pos=0):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        if kv_cache is None or start_pos == 0:
-            mask = None  # plain causal attention over these T tokens
-        else:
-            # the T new queries sit at positions start_pos.. and see every cached key before them
-            mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=x.device).tril(start_pos)
         if kv_cache is not None:  # (2, B, nh, >= start_pos + T, hs), filled up to start_pos
             kv_cache[0, :, :, start_pos:start_pos + T] = k
             kv_cache[1, :, :, start_pos:start_pos + T] = v
             k, v = kv_cache[0, :, :, :start_pos + T], kv_cache[1, :, :, :start_pos + T]
+        # mask: which keys each query sees (True); None: plain causal attention over these T tokens
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
         return self.c_proj(y)
@@ -90,8 +85,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None, start_pos=0):
-        x = x + self.attn(self.ln_1(x), kv_cache, start_pos)
+    def forward(self, x, mask=None, kv_cache=None, start_pos=0):
+        x = x + self.attn(self.ln_1(x), mask, kv_cache, start_pos)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -122,17 +117,22 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def hidden_states(self, idx, kv_cache=None, start_pos=0):
+    def hidden_states(self, idx, kv_cache=None, start_pos=0, pos=None, mask=None):
         """The final hidden states (B, T, n_embd), before the output layer. idx: (B, T) token ids;
-        kv_cache: None, or per layer a (2, B, nh, L, hs) buffer, L >= start_pos + T (see generate)."""
+        kv_cache: None, or per layer a (2, B, nh, L, hs) buffer, L >= start_pos + T (see generate).
+        Sequences that pack several texts (hellaswag.py: a context, then its endings) give their own
+        positions pos (B, T) and attention mask (B, 1, T, T): which keys each query sees."""
         B, T = idx.size()
-        if start_pos + T > self.config.block_size:
+        if pos is None and start_pos + T > self.config.block_size:
             raise ValueError(f"sequence of length {start_pos + T} is longer than "
                              f"block_size={self.config.block_size}")
-        pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)  # (T,)
+        if pos is None:
+            pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)  # (T,)
+        if mask is None and start_pos > 0:  # the T new queries see every cached key before them
+            mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=idx.device).tril(start_pos)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, None if kv_cache is None else kv_cache[i], start_pos)
+            x = block(x, mask, None if kv_cache is None else kv_cache[i], start_pos)
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None, kv_cache=None, start_pos=0, reduction='mean'):
@@ -330,41 +330,6 @@ def to_hf_state_dict(state, vocab_size):
             v = v[:vocab_size]
         out[k] = v.contiguous()
     return out
-
-
-# what reading something other than a train_gpt2.py checkpoint raises: a missing file, another
-# format, build-nanogpt's pickled GPTConfig (UnpicklingError), other keys or shapes
-NOT_A_CHECKPOINT = (OSError, RuntimeError, KeyError, TypeError, AttributeError, pickle.UnpicklingError)
-
-
-def unreadable_checkpoint(path, error):
-    return ValueError(f"{path}: not a readable train_gpt2.py checkpoint ({type(error).__name__}: {error})")
-
-
-def read_checkpoint_weights(path):
-    """(GPTConfig, state dict) of a train_gpt2.py checkpoint, for the tools: the tensors memory-
-    mapped, nothing unpickled but tensors and plain values. Anything else is a ValueError."""
-    try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
-        return GPTConfig.from_dict(ckpt['config']), ckpt['model']
-    except NOT_A_CHECKPOINT as e:
-        raise unreadable_checkpoint(path, e) from None
-
-
-def load_model(name, device):
-    """An OpenAI name, a HF model folder, or a train_gpt2.py checkpoint (.pt)."""
-    if name in OPENAI_MODELS:  # through HF, which has its own init
-        return GPT.from_pretrained(name).to(device).eval()
-    if name.endswith('.pt'):
-        config, state = read_checkpoint_weights(name)
-        try:
-            model = GPT.empty(config)
-            model.load_state_dict(state)  # strict: every weight
-        except NOT_A_CHECKPOINT as e:  # a config or weights that are not a GPT's
-            raise unreadable_checkpoint(name, e) from None
-    else:
-        model = GPT.from_pretrained(name)  # every weight, or an error
-    return model.to(device).eval()
 
 
 def flops_per_token(config, T):

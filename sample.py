@@ -15,7 +15,6 @@ import torch
 
 from gptkit.common import UserError
 from gptkit.hardware import autocast, pick_device, resolve_dtype
-from model import load_model
 from gptkit.tokenizer import EOT, N_VOCAB, get_gpt2_encoding
 
 
@@ -80,12 +79,11 @@ def main(argv=None):
                 prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
             sys.exit(f"error: --prompt {args.prompt}: cannot read it ({e})")
-    # imported here, not atop: the trainer's `import sample` stays without gptkit/parallel.py
-    from gptkit.checkpoint import model_in
+    from gptkit.loading import load_model  # here, not atop: `import sample` stays light
     try:
         device = pick_device(args.device)
         dtype, _ = resolve_dtype(args.dtype, device)
-        model = load_model(model_in(args.model), device)
+        model = load_model(args.model, device)
         idx = torch.tensor([encode_prompt(prompt, model)], dtype=torch.long, device=device)
         generator = torch.Generator(device=device).manual_seed(args.seed)
     except (UserError, ValueError, OSError, RuntimeError) as e:

@@ -213,7 +213,7 @@ hella_data = None
 if hellaswag and eval_interval > 0:  # each rank's share of the examples, made once, on the device
     import hellaswag as hellaswag_eval
     examples = max(1, min(32, B * T // 256))  # a batch of about a micro-batch's tokens: it fits
-    hella_data = hellaswag_eval.load_for_training(hellaswag_file, raw_model, examples, device)
+    hella_data = hellaswag_eval.load_for_training(hellaswag_file, raw_model, examples, device, compile)
 
 # -----------------------------------------------------------------------------
 # the run starts: what it is, in the output and in log_dir
@@ -342,7 +342,7 @@ for step in range(start_step, max_steps + 1):
             eval_raw.eval()
             with autocast(device, dtype):
                 out = eval_raw.generate(tokens, sample_length, top_k=50, generator=rng)
-            texts = [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]  # padding: no text
+            texts = [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]
             run_record.samples(log_dir, [f"step {step} sample {i}: {text!r}" for i, text in enumerate(texts)])
         if sharded:
             eval_model = eval_raw = None  # the gathered copy goes

@@ -125,19 +125,6 @@ def list_checkpoints(log_dir):
     return sorted(found, reverse=True)
 
 
-def model_in(name):
-    """name, or where name is a run's log_dir (a folder of model_NNNNN.pt, no HF config.json), the
-    path of its newest checkpoint, said on stderr: for the tools that take --model."""
-    if not os.path.isdir(name) or os.path.isfile(os.path.join(name, 'config.json')):
-        return name
-    found = list_checkpoints(name)
-    if not found:
-        raise UserError(f"{name}: neither a HF model folder (no config.json) nor a run's log_dir "
-                        f"(no model_NNNNN.pt)")
-    print(f"{name}: its newest checkpoint, {found[0][1]}", file=sys.stderr)
-    return found[0][1]
-
-
 def read_checkpoint(path):
     """The checkpoint at path, checked for what resuming needs; ValueError says what is wrong with
     it, OSError that it could not be read.

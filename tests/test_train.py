@@ -210,8 +210,9 @@ def test_evaluate_builds_no_graph(tmp_path):
         "    runpy.run_path(os.path.join(os.environ['PYTHONPATH'], 'train_gpt2.py'), run_name='__main__')\n"
         "finally:\n"
         "    print('SEEN', sorted(set(seen)), sum(s[0] == 'none' for s in seen))\n")
-    r = run_script([*TINY, f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--vocab_size=512", "--B=2",
-                    "--T=16", "--total_batch_size=32", "--max_steps=2", "--eval_interval=2", "--val_tokens=80",
+    r = run_script([*TINY, f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--vocab_size=512",
+                    "--B=2", "--T=16", "--total_batch_size=32", "--max_steps=2", "--eval_interval=2",
+                    "--val_tokens=80",
                     "--sample_interval=0", "--hellaswag=False"], script=str(wrapper),
                    PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stderr
