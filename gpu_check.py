@@ -35,11 +35,11 @@ import torch
 import hellaswag
 from bench import print_flops, run_python, seconds, synthetic_shard
 from gptkit import memory
-import train_gpt2
-from gptkit.configurator import parse_config
+from gptkit.configurator import parse_config, trainer_defaults
 from gptkit.common import UserError
-from gptkit.hardware import choose_precision
+from gptkit.hardware import autocast, choose_precision, pick_device
 from gptkit.run_record import device_name
+from gptkit.shards import val_batches
 from model import GPT, GPTConfig
 from gptkit.tokenizer import N_VOCAB
 from plot import read_log
@@ -55,10 +55,18 @@ def time_evals(c, device, n_examples):
     compiled = torch.compile(model, dynamic=False) if c['compile'] else model  # as the trainer compiles it
     n_tokens = c['val_tokens'] // c['T'] * c['T'] + 1
     tokens = np.random.default_rng(0).integers(0, N_VOCAB, n_tokens).astype(np.uint16)
-    args = (c['B'], c['T'], device, c['dtype'])
-    train_gpt2.evaluate(compiled, tokens[:2 * c['B'] * c['T'] + 1], *args)  # compiles
-    val_s, _ = seconds(device, lambda: train_gpt2.evaluate(compiled, tokens, *args))
-    batch = memory.examples_per_batch(c['B'], c['T'])  # as the trainer prepares them
+    x, y, _ = (t.to(device) for t in val_batches(tokens, c['B'], c['T'], 0, 1))  # as the trainer makes them
+
+    @torch.no_grad()
+    def val_eval(n):  # the trainer's val loop over the first n batches: the summed losses read once
+        total = torch.zeros((), device=device)
+        for xb, yb in zip(x[:n], y[:n]):
+            with autocast(device, c['dtype']):
+                total += compiled(xb, yb, reduction='none')[1].sum().float()
+        return total.item()
+    val_eval(2)  # compiles
+    val_s, _ = seconds(device, lambda: val_eval(len(x)))
+    batch = max(1, min(32, c['B'] * c['T'] // 256))  # as the trainer prepares them
     examples = hellaswag.synthetic_examples(n_examples)
     prepared = hellaswag.prepare(examples, c['block_size'], device, batch, one_shape=c['compile'])
     hellaswag.evaluate(model, prepared, c['dtype'], c['compile'])  # compiles
@@ -69,7 +77,7 @@ def time_evals(c, device, n_examples):
 
 
 def main():
-    defaults = dict(train_gpt2.DEFAULTS, check_evals=10042)
+    defaults = dict(trainer_defaults(), check_evals=10042)
     try:
         c = parse_config(sys.argv[1:], defaults, __doc__)
     except UserError as e:
@@ -107,7 +115,8 @@ def main():
     first_dt = float(re.search(r"dt (\d+\.\d+)ms", out.stdout).group(1)) / 1000
     steady = rates[len(rates) // 3:]  # the first steps compile
     tok_per_s = statistics.median(steady)
-    _, _, device = train_gpt2.setup_device(c['device'])  # this process: no DDP; cpu_reuse_memory is for CPUs
+    device = pick_device(c['device'])  # this process: no DDP
+    torch.set_float32_matmul_precision('high')  # as the trainer sets it on CUDA
     c = memory.micro_batch_of(choose_precision(c, device), device)  # the run's precision and B
     print(f"device: {device_name(device)}")
     print(f"tok/s (median of steps {len(rates) - len(steady)}..{len(rates) - 1}): {tok_per_s:,.0f}")

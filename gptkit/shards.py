@@ -2,7 +2,7 @@
 The token shards that fineweb.py writes (build-nanogpt's format: a 1-D uint16 .npy array of GPT-2
 token ids per file, *_train_*.npy and *_val_*.npy in one folder): finding them, opening them
 memory-mapped and checked, the val tokens, a shard's documents in a shuffled order, and the train
-split as one stream with its position (ShardStream), which train_gpt2.py's DataLoaderLite reads.
+split as one stream with its position (DataLoaderLite), which train_gpt2.py reads.
 """
 import glob
 import json
@@ -186,24 +186,39 @@ class ShuffledDocuments:
         return np.concatenate(parts) if parts else self.tokens[:0]
 
 
-class ShardStream:
-    """A split's shards as one stream that a trainer reads a whole step at a time: the position
-    (epoch, shard, pos) is global, the same on every rank, and moves by step_tokens, so what is
-    read does not depend on the number of processes. shuffle: each epoch orders the shards and
-    their documents anew from (seed, epoch) alone; else files and tokens in order (docs/data.md).
-    train_gpt2.DataLoaderLite cuts each step's run into the ranks' micro-batches."""
+class DataLoaderLite:
+    """Batches of B sequences of T tokens from the shards of one split, read as one stream whose
+    position (epoch, shard, pos) is global, the same on every rank, and moves by whole steps: a step
+    reads one run of B*T*num_processes*accum_steps (+1) tokens, and micro-step m of rank r takes its
+    chunk m * num_processes + r, so the tokens of a step do not depend on the number of processes.
+    shuffle: each epoch orders the shards and their documents anew from (seed, epoch) alone; else
+    files and tokens in order (docs/data.md). state() and load_state() resume it exactly."""
 
-    def __init__(self, data_root, split, step_tokens, vocab_size=None, shuffle=False, seed=1337, say=True):
-        self.step_tokens = step_tokens
-        self.vocab_size = vocab_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.say = say  # print what is passed over and resumed (rank 0)
-        self.shards, self.lengths = checked_shards(data_root, split, step_tokens, shuffle, say)
+    def __init__(self, B, T, process_rank, num_processes, split, data_root, accum_steps=1,
+                 vocab_size=None, shuffle=False, seed=1337):
+        self.B, self.T, self.rank, self.world, self.accum = B, T, process_rank, num_processes, accum_steps
+        self.micro = 0  # the micro-steps of this step read so far
+        self.step_tokens = B * T * num_processes * accum_steps
+        self.vocab_size, self.shuffle, self.seed = vocab_size, shuffle, seed
+        self.say = process_rank == 0  # print what is passed over and resumed
+        self.shards, self.lengths = checked_shards(data_root, split, self.step_tokens, shuffle, self.say)
         self.n_tokens = sum(self.lengths)
-        self.steps_per_epoch = sum((n - 1) // step_tokens for n in self.lengths)
+        self.steps_per_epoch = sum((n - 1) // self.step_tokens for n in self.lengths)
         self.open(0, 0, 0)
         self.next_shard_if_short()  # the first may be a shard too short for one step
+
+    def next_batch(self):
+        import torch
+        B, T = self.B, self.T
+        start = self.pos + (self.micro * self.world + self.rank) * B * T
+        buf = torch.from_numpy(self.tokens[start:start + B * T + 1].astype(np.int64))  # only this chunk
+        x, y = buf[:-1].view(B, T), buf[1:].view(B, T)  # inputs, targets
+        self.micro += 1
+        if self.micro == self.accum:  # this step's run is read: every rank advances alike
+            self.micro = 0
+            self.pos += self.step_tokens
+            self.next_shard_if_short()
+        return x, y
 
     def open(self, epoch, shard, pos):
         """Shard number `shard` in epoch's order of the shards, from token pos of its stream."""
@@ -252,34 +267,6 @@ class ShardStream:
                             f"but that shard of data_root is {self.state()['file']!r}: resume with the "
                             f"same data_root")
         self.next_shard_if_short()  # total_batch_size may have grown
-
-
-class DataLoaderLite(ShardStream):
-    """Batches of B sequences of T tokens from the shards of one split, read as one stream whose
-    position moves by whole steps, the same on every rank (ShardStream, with the shuffled order and
-    resuming). A step reads one run of B*T*num_processes*accum_steps (+1) tokens; micro-step m of
-    rank r takes its chunk m * num_processes + r: the tokens of a step do not depend on the number
-    of processes."""
-
-    def __init__(self, B, T, process_rank, num_processes, split, data_root, accum_steps=1,
-                 vocab_size=None, shuffle=False, seed=1337):
-        self.B, self.T, self.rank, self.world, self.accum = B, T, process_rank, num_processes, accum_steps
-        self.micro = 0  # the micro-steps of this step read so far
-        step_tokens = B * T * num_processes * accum_steps
-        super().__init__(data_root, split, step_tokens, vocab_size, shuffle, seed, say=process_rank == 0)
-
-    def next_batch(self):
-        import torch
-        B, T = self.B, self.T
-        start = self.pos + (self.micro * self.world + self.rank) * B * T
-        buf = torch.from_numpy(self.tokens[start:start + B * T + 1].astype(np.int64))  # only this chunk
-        x, y = buf[:-1].view(B, T), buf[1:].view(B, T)  # inputs, targets
-        self.micro += 1
-        if self.micro == self.accum:  # this step's run is read: every rank advances alike
-            self.micro = 0
-            self.pos += self.step_tokens
-            self.next_shard_if_short()
-        return x, y
 
 
 def val_batches(tokens, B, T, rank, world):

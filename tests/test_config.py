@@ -5,12 +5,11 @@ import os
 import pytest
 import torch
 
-import train_gpt2
-from conftest import ROOT, run_script
-from gptkit.optim import get_lr
-from train_gpt2 import UserError, parse_config
+from conftest import ROOT, TINY, random_shards, run_script
+from gptkit.common import UserError
+from gptkit.configurator import parse_config, trainer_defaults
 
-DEFAULTS = dict(train_gpt2.DEFAULTS)
+DEFAULTS = trainer_defaults()  # the constants atop train_gpt2.py, as written (importing it would run it)
 
 
 def test_defaults_are_build_nanogpts_run():
@@ -18,11 +17,12 @@ def test_defaults_are_build_nanogpts_run():
     model = (d["n_layer"], d["n_head"], d["n_embd"], d["block_size"], d["vocab_size"])
     assert model == (12, 12, 768, 1024, 50304)
     batch = (d["total_batch_size"], d["B"], d["T"], d["max_steps"], d["warmup_steps"])
-    assert batch == (524288, "auto", 1024, 19073, 715)
-    # B="auto" on build-nanogpt's 8 x 80 GB GPUs, compiled, in bf16: its B=64, one micro-step
+    assert batch == (524288, 64, 1024, 19073, 715)
+    # build-nanogpt's B=64, one micro-step on its 8 x 80 GB GPUs, is what B="auto" takes there too
+    # (compiled, in bf16)
     from gptkit import memory
     from model import GPTConfig
-    gpu = dict(d, dtype="bfloat16", compile=True)
+    gpu = dict(d, B="auto", dtype="bfloat16", compile=True)
     assert memory.micro_batch(gpu, GPTConfig.from_dict(d), "cuda", 8, free=80e9)[0] == 64
     optimizer = (d["max_lr"], d["min_lr"], d["weight_decay"], d["grad_clip"], d["seed"])
     assert optimizer == (6e-4, 6e-5, 0.1, 1.0, 1337)
@@ -45,7 +45,12 @@ def test_overrides_parse_as_literals_and_keep_types(tmp_path):
     cfg_file.write_text("compile = False\n")
     assert parse_config([str(cfg_file)], DEFAULTS)["compile"] is False
     assert parse_config(["--compile=True", "--dtype=float16"], DEFAULTS)["compile"] is True
-    assert DEFAULTS["n_layer"] == 12  # the defaults are not touched
+    # B, a number by default, also takes "auto" (the most that fit: gptkit/memory.py), both ways
+    assert parse_config(["--B=auto"], DEFAULTS)["B"] == "auto"
+    cfg_file.write_text('B = "auto"\n')
+    assert parse_config([str(cfg_file), "--B=8"], DEFAULTS)["B"] == 8
+    assert parse_config([str(cfg_file)], DEFAULTS)["B"] == "auto"
+    assert DEFAULTS["n_layer"] == 12 and DEFAULTS["B"] == 64  # the defaults are not touched
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -154,17 +159,19 @@ def test_first_answer_imports_only_what_every_run_needs():
     heavy = ("torch.distributed.fsdp", "torch.distributed.tensor", "hellaswag", "wandb", "transformers",
              "datasets", "tiktoken", "torch._dynamo", "torch._inductor", "matplotlib")
     for argv in (["--help"], ["--max_step=3"]):
-        code = ("import runpy, sys\n"
+        code = ("import atexit, runpy, sys\n"  # the modules as the process ends (after the script's own hooks)
+                f"atexit.register(lambda: print(sorted(m for m in sys.modules if m.startswith({heavy!r}))))\n"
                 f"sys.argv = ['train_gpt2.py', *{argv!r}]\n"
-                "try:\n    runpy.run_path('train_gpt2.py', run_name='__main__')\n"
-                "except SystemExit as e:\n    print('exit', e.code, file=sys.stderr)\n"
-                f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))\n")
+                "runpy.run_path('train_gpt2.py', run_name='__main__')\n")
         r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)
-        assert r.stdout.strip().splitlines()[-1] == "[]", (argv, r.stdout[-500:])
-        typo = ("exit error: unknown config key 'max_step' in --max_step=3; closest valid names: max_steps, "
+        assert r.stdout.strip().splitlines()[-1] == "[]", (argv, r.stdout[-500:], r.stderr[-500:])
+        typo = ("error: unknown config key 'max_step' in --max_step=3; closest valid names: max_steps, "
                 "max_bad_steps, warmup_steps")
-        assert r.stderr.strip().splitlines()[-1] == ("exit 0" if argv == ["--help"] else typo), r.stderr
+        if argv == ["--help"]:
+            assert r.returncode == 0 and not r.stderr, r.stderr
+        else:
+            assert r.returncode == 1 and r.stderr.strip().splitlines() == [typo], r.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
@@ -241,8 +248,8 @@ def test_total_batch_size_must_divide():
 
 def test_16_gpus_are_told_which_B_to_use():
     """Issue 21.17: 2 nodes x 8 GPUs at a fixed B=64 (64 x 1024 x 16 > 2**19) stop with a line that
-    names the B that works; B="auto" (issue 29) takes it by itself: the README's two-node command
-    sets no B."""
+    names the B that works; B="auto" (issue 29) takes it by itself. The README's two-node command
+    (the defaults, B=64 unless it sets one) takes a B that divides at 16 processes."""
     from gptkit.configurator import accumulation_steps
     assert accumulation_steps(524288, 64, 1024, 8) == 1 and accumulation_steps(524288, 8, 1024, 8) == 8
     with pytest.raises(UserError) as e:
@@ -250,24 +257,53 @@ def test_16_gpus_are_told_which_B_to_use():
     assert "with 16 process(es) use B=32 (or lower: 16, 8, ...)" in str(e.value), e.value
     readme = open(os.path.join(ROOT, "README.md")).read()
     two_nodes = readme[readme.index("torchrun --nnodes=2"):].split("\n\n")[0]
-    assert "--nproc_per_node=8" in two_nodes and "--B=" not in two_nodes
+    words = two_nodes.replace("\\\n", " ").split()
+    argv = [w if w.startswith("--") else os.path.join(ROOT, w) for w in words[words.index("train_gpt2.py") + 1:]]
+    assert "--nproc_per_node=8" in words, two_nodes
+    c = parse_config(argv, DEFAULTS)  # its config: the defaults, and what it sets
+    if c["B"] != "auto":  # "auto" takes a B that divides by itself (below)
+        accumulation_steps(c["total_batch_size"], c["B"], c["T"], 16)  # else the line above stops it
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in readme
     from gptkit import memory
     from model import GPTConfig
-    c = dict(DEFAULTS, dtype="bfloat16", compile=True)  # 124M
+    c = dict(DEFAULTS, B="auto", dtype="bfloat16", compile=True)  # 124M
     auto = lambda world: memory.micro_batch(c, GPTConfig.from_dict(c), "cuda", world, free=80e9)[0]
     assert (auto(8), auto(16), auto(32)) == (64, 32, 16)
     assert accumulation_steps(524288, 32, 1024, 16) == 1 and accumulation_steps(1048576, 8, 1024, 16) == 8
 
 
-def test_lr_schedule():
-    kw = dict(max_lr=6e-4, min_lr=6e-5, warmup_steps=10, max_steps=110)
-    assert get_lr(0, **kw) == pytest.approx(6e-5)  # (0 + 1) / 10 of max_lr
-    assert get_lr(9, **kw) == pytest.approx(6e-4)
-    assert get_lr(10, **kw) == pytest.approx(6e-4)
-    assert get_lr(60, **kw) == pytest.approx(6e-5 + 0.5 * (6e-4 - 6e-5))
-    assert get_lr(109, **kw) == pytest.approx(6e-5 + 0.5 * (1 + math.cos(math.pi * 0.99)) * 5.4e-4)
-    assert get_lr(110, **kw) == get_lr(500, **kw) == 6e-5
+LR_PROBE = """
+import os, runpy, sys, torch
+step = torch.optim.AdamW.step
+def probe(self, *a, **k):  # every update: the lr the trainer set in the optimizer for it
+    print(f"probe lr {{self.param_groups[0]['lr']!r}}", flush=True)
+    return step(self, *a, **k)
+torch.optim.AdamW.step = probe
+sys.argv[0] = os.path.join({root!r}, 'train_gpt2.py')
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def test_lr_schedule(tmp_path):
+    """The default schedule, build-nanogpt's: the lr each of a run's updates takes (read in the
+    optimizer as it steps), warmup then cosine down to min_lr at max_steps."""
+    data = random_shards(tmp_path / "data", 0, 100, [2000], vocab=512)
+    (tmp_path / "probe.py").write_text(LR_PROBE.format(root=ROOT))
+    r = run_script([*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=32", "--max_lr=6e-4",
+                    "--min_lr=6e-5", "--warmup_steps=10", "--max_steps=110", "--eval_interval=0",
+                    "--sample_interval=0", "--hellaswag=False", f"--data_root={data}",
+                    f"--log_dir={tmp_path / 'log'}"], script=str(tmp_path / "probe.py"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    lr = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("probe lr ")]
+    assert len(lr) == 110  # one update per step, none at max_steps
+    assert lr[0] == pytest.approx(6e-5)  # (0 + 1) / 10 of max_lr
+    assert lr[9] == pytest.approx(6e-4)
+    assert lr[10] == pytest.approx(6e-4)
+    assert lr[60] == pytest.approx(6e-5 + 0.5 * (6e-4 - 6e-5))
+    assert lr[109] == pytest.approx(6e-5 + 0.5 * (1 + math.cos(math.pi * 0.99)) * 5.4e-4)
+    cosine = [6e-5 + 0.5 * (1 + math.cos(math.pi * (s - 10) / 100)) * 5.4e-4 for s in range(10, 110)]
+    assert lr == pytest.approx([6e-4 * (s + 1) / 10 for s in range(10)] + cosine)  # every step
+    assert min(lr) > 6e-5  # min_lr is where the decay ends, at max_steps
 
 
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))
@@ -296,13 +332,17 @@ def test_demo_preset_and_readme_say_its_size():
 def test_presets_parse_and_divide(path):
     c = parse_config([path], DEFAULTS)
     assert c["n_embd"] % c["n_head"] == 0 and c["T"] <= c["block_size"]
-    if "gpt2_" in path:  # the GPU presets: one node of 8 GPUs, 10B tokens; B="auto" takes what it says
+    if "gpt2_" in path:  # the GPU presets: one node of 8 GPUs, 10B tokens; B is what "auto" takes there
+        import re
         from gptkit import memory
         from model import GPTConfig
-        gpu = dict(c, dtype="bfloat16", compile=True)
+        gpu = dict(c, B="auto", dtype="bfloat16", compile=True)
         B = memory.micro_batch(gpu, GPTConfig.from_dict(c), "cuda", 8, free=80e9)[0]
-        assert f'# B = "auto" (the default): {B} per GPU on 80 GB' in open(path).read(), (path, B)
+        line = re.search(r"^B = (\d+)  # per GPU on 80 GB \(8 GPUs: (\d+) micro-steps? a step\)", open(path).read(),
+                         re.M)
+        assert line and c["B"] == int(line[1]) == B, (path, B, line)
         assert c["total_batch_size"] % (B * c["T"] * 8) == 0
+        assert c["total_batch_size"] // (B * c["T"] * 8) == int(line[2]), (path, line[2])
         assert abs(c["max_steps"] * c["total_batch_size"] - 10e9) < 0.01e9
         assert c["dtype"] == "auto" and c["compile"] == "auto"  # bf16 (fp16 before Ampere), compiled, on GPUs
     else:

@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from gptkit import checkpoint
-import train_gpt2
-from conftest import TINY, random_shards, read_log, run_script
+from conftest import ROOT, TINY, random_shards, read_log, run_script
 from gptkit.hardware import autocast, resolve_dtype
 from gptkit.cpu import LinearCrossEntropy
 from model import GPT, GPTConfig, flops_per_token
@@ -46,56 +45,84 @@ def test_auto_precision_is_bf16_on_ampere_and_newer():
     assert dtype == ('bfloat16' if torch.cuda.get_device_capability() >= (8, 0) else 'float16'), why
 
 
-def test_training_steps_match_cpu_float32():
-    """Three steps of train_step (2 micro-steps, clipping, fused AdamW on CUDA) against the same on
-    the CPU (plain AdamW): losses, norms and weights agree to float32 rounding."""
-    data = batches(6)
+# A wrapper of the trainer (run as python runs it, after these lines): float32 matmuls without TF32 (as
+# the CPU's), and, with POISON_STEP set, that step's gradient norm made NaN (a bad step, skipped on
+# the device); with SYNC_DEBUG set, torch.cuda.set_sync_debug_mode('error') from each step's first
+# batch to its optimizer.step(): anything that makes the host wait for the GPU there raises.
+WRAPPER = """
+import os, runpy, torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from gptkit.shards import DataLoaderLite
+torch.set_float32_matmul_precision = lambda precision: None
+clip, steps, poison = torch.nn.utils.clip_grad_norm_, [0], int(os.environ.get('POISON_STEP', -1))
+def clipped(*a, **k):
+    norm = clip(*a, **k)
+    steps[0] += 1
+    return norm * float('nan') if steps[0] - 1 == poison else norm
+torch.nn.utils.clip_grad_norm_ = clipped
+if os.environ.get('SYNC_DEBUG'):
+    next_batch = DataLoaderLite.next_batch
+    def watched(self):
+        if self.micro == 0:  # a step's first batch
+            torch.cuda.set_sync_debug_mode('error')
+        return next_batch(self)
+    DataLoaderLite.next_batch = watched
+    register_optimizer_step_pre_hook(lambda *a: torch.cuda.set_sync_debug_mode(0))
+runpy.run_path(os.path.join(os.environ['PYTHONPATH'], 'train_gpt2.py'), run_name='__main__')
+"""
+
+
+def run_wrapped(tmp_path, args, **env):
+    script = tmp_path / "wrapped.py"
+    script.write_text(WRAPPER)
+    return run_script(args, script=str(script), PYTHONPATH=ROOT, **env)
+
+
+def tiny_run(tmp_path, device, *extra):
+    data = random_shards(tmp_path / "data", 0, val=4096, train=[20000], vocab=1024)
+    return [a for a in TINY if not a.startswith(("--device", "--n_", "--block_size"))] + [
+        "--n_layer=2", "--n_head=4", "--n_embd=128", "--block_size=128", f"--data_root={data}",
+        "--vocab_size=1024", "--B=4", "--T=64", "--total_batch_size=512", "--max_steps=3",
+        "--eval_interval=0", "--hellaswag=False", "--sample_interval=0", "--shuffle=False",
+        f"--device={device}", f"--log_dir={tmp_path / device}", *extra]
+
+
+def test_training_steps_match_cpu_float32(tmp_path):
+    """Three steps of the trainer (2 micro-steps, clipping, fused AdamW) on CUDA against the same on
+    the CPU, float32 without TF32: losses, norms and weights agree to float32 rounding."""
     out = {}
     for device in ('cpu', 'cuda'):
-        torch.manual_seed(0)
-        model = GPT(CONFIG).to(device)
-        optimizer = model.configure_optimizers(0.1, 1e-3, device)
-        assert optimizer.defaults['fused']  # on every device: found_inf skips a step there (issue 27)
-        scaler = torch.amp.GradScaler(device, enabled=False)
-        loader = Loader(data)
-        state = train_gpt2.TrainState(model, model, optimizer, scaler, loader)
-        steps = [train_gpt2.train_step(state, 2, 1e-3, 1.0, device, 'float32')[:2] for _ in range(3)]
-        out[device] = [(loss.item(), norm.item()) for loss, norm in steps], model.state_dict()
-    (cpu_steps, cpu_sd), (gpu_steps, gpu_sd) = out['cpu'], out['cuda']
-    for (a_loss, a_norm), (b_loss, b_norm) in zip(cpu_steps, gpu_steps):
-        assert b_loss == pytest.approx(a_loss, rel=1e-5) and b_norm == pytest.approx(a_norm, rel=1e-4)
-    assert max((cpu_sd[k] - gpu_sd[k].cpu()).abs().max().item() for k in cpu_sd) < 1e-5
+        r = run_wrapped(tmp_path, tiny_run(tmp_path, device))
+        assert r.returncode == 0, r.stderr[-2000:]
+        norms = [float(n) for n in re.findall(r"\| norm ([\d.]+) \|", r.stdout)]
+        ckpt = torch.load(tmp_path / device / "model_00003.pt", map_location='cpu', weights_only=True)
+        out[device] = read_log(tmp_path / device)["train"], norms, ckpt["model"]
+    (cpu_loss, cpu_norm, cpu_sd), (gpu_loss, gpu_norm, gpu_sd) = out['cpu'], out['cuda']
+    assert len(cpu_norm) == len(gpu_norm) == 3
+    for step in range(3):
+        assert gpu_loss[step] == pytest.approx(cpu_loss[step], rel=1e-5)
+        assert gpu_norm[step] == pytest.approx(cpu_norm[step], rel=1e-3)  # printed to 4 decimals
+    assert max((cpu_sd[k] - gpu_sd[k]).abs().max().item() for k in cpu_sd) < 1e-5
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_the_host_never_waits_before_the_update(optimizer):
-    """Issue 27.2 and 27.8 on the GPU: torch.cuda.set_sync_debug_mode('error') from a step's start
-    to its optimizer.step() (a NaN step among them): nothing makes the host wait for the device,
-    the batches' copies included (pinned memory); and the skipped step changes nothing."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-    torch.manual_seed(0)
-    model = GPT(CONFIG).to('cuda')
-    opt = model.configure_optimizers(0.1, 1e-3, 'cuda', optimizer, 3e-3)
-    scaler = torch.amp.GradScaler('cuda', enabled=False)
-    state = train_gpt2.TrainState(model, model, opt, scaler, Loader(batches(8)))
-    hook = register_optimizer_step_pre_hook(lambda *a: torch.cuda.set_sync_debug_mode(0))
-    try:
-        for step in range(4):
-            poison = model.lm_head.weight.register_hook(lambda g: g * float('nan')) if step == 2 else None
-            before = [p.detach().clone() for p in model.parameters()]
-            torch.cuda.set_sync_debug_mode('error')
-            _, _, ok, _ = train_gpt2.train_step(state, 2, 1e-3, 1.0, 'cuda', 'bfloat16')
-            torch.cuda.set_sync_debug_mode(0)
-            if poison:
-                poison.remove()
-            assert ok == (step != 2)
-            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) == (step == 2)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        hook.remove()
+def test_the_host_never_waits_before_the_update(tmp_path, optimizer):
+    """Issue 27.2 and 27.8 on the GPU, in the trainer itself: torch.cuda.set_sync_debug_mode('error')
+    from each step's first batch to its optimizer.step() (a NaN step among them): nothing makes the
+    host wait for the device, the batches' copies included (pinned memory); and the skipped step is
+    logged as skipped and changes no weight (the checkpoint after it holds the one before's)."""
+    args = tiny_run(tmp_path, 'cuda', "--dtype=bfloat16", f"--optimizer={optimizer}", "--muon_lr=3e-3",
+                    "--max_steps=4", "--checkpoint_interval=1", "--keep_checkpoints=0")
+    r = run_wrapped(tmp_path, args, SYNC_DEBUG="1", POISON_STEP="2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 skip 1" in (tmp_path / "cuda" / "log.txt").read_text().splitlines()
+    weights = [torch.load(tmp_path / "cuda" / f"model_0000{n}.pt", map_location='cpu',
+                          weights_only=True)["model"] for n in (2, 3, 4)]  # after updates 0-1, 2 (skipped), 3
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert not all(torch.equal(weights[1][k], weights[2][k]) for k in weights[0])
 
 
-def test_bf16_loss_layer_matches_cross_entropy():
+def test_bf16_loss_layer_matches_cross_entropy():  # the CPU's fused loss, kept right on any device
     """LinearCrossEntropy under CUDA bf16 autocast against F.linear + F.cross_entropy on the same
     bf16 inputs, in float32 arithmetic (and several row blocks: 2**28 // V rows each)."""
     torch.manual_seed(0)

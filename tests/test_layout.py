@@ -1,8 +1,9 @@
-"""The layout's promises, checked on the code as text (issues 19 and 35): the root holds what a
-user runs (and the model), gptkit/ the machinery it imports; functions take few arguments; the
-pieces of train_gpt2.py that other files import read none of its constants; collectives live in
-gptkit/parallel.py (and the trainer's own, in the open); one user-error class; GPT-2's vocabulary
-size written once."""
+"""The layout's promises, checked on the code as text (issues 19, 35 and 42): the root holds what a
+user runs (and the model), gptkit/ the machinery it imports; functions take few arguments;
+train_gpt2.py is one flat script, as nanoGPT's train.py (no globals, three small helpers, no main),
+which nothing imports; no import cycle between the project's modules; collectives live in
+gptkit/parallel.py and gptkit/fsdp.py (and the trainer's own, in the open); one user-error class;
+GPT-2's vocabulary size written once."""
 import ast
 import glob
 import inspect
@@ -14,13 +15,12 @@ import torch.distributed as dist
 import torch.distributed.fsdp
 import torch.distributed.launcher.api
 
-import train_gpt2
 from conftest import ROOT
 
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "*.py")))  # what a user runs, and model.py
 PACKAGE = sorted(glob.glob(os.path.join(ROOT, "gptkit", "*.py")))
 PROJECT = SCRIPTS + PACKAGE  # tests aside
-IMPORTED = ("setup_device", "DataLoaderLite", "evaluate", "train_step")  # by bench, gpu_check, tests
+TESTS = sorted(glob.glob(os.path.join(ROOT, "tests", "*.py")))
 
 
 def name(path):
@@ -38,9 +38,12 @@ def functions(path):
 
 
 def runs_as_a_script(path):
-    """Whether path has its `if __name__ == '__main__':`."""
-    tests = [ast.unparse(n.test) for n in tree(path).body if isinstance(n, ast.If)]
-    return "__name__ == '__main__'" in tests
+    """Whether path does something when python runs it: its `if __name__ == '__main__':`, or, in a
+    flat script (train_gpt2.py, as nanoGPT's train.py), calls at its top level."""
+    body = tree(path).body
+    tests = [ast.unparse(n.test) for n in body if isinstance(n, ast.If)]
+    calls = [n for n in body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)]
+    return "__name__ == '__main__'" in tests or bool(calls)
 
 
 def imported(path):
@@ -54,10 +57,13 @@ def imported(path):
 
 def test_the_root_holds_what_a_user_runs_and_gptkit_what_it_imports():
     """Every script at the root runs as `python script.py` (model.py aside: the model, as in
-    nanoGPT), no module of gptkit/ does, and gptkit/ imports no script but model.py."""
+    nanoGPT), no module of gptkit/ does, and gptkit/ imports no script but model.py. Nothing
+    imports train_gpt2.py, not even a test (issue 42): importing the flat script runs a training."""
     assert {name(p) for p in PROJECT if runs_as_a_script(p)} == {name(p) for p in SCRIPTS} - {"model.py"}
     scripts = {os.path.basename(p)[:-len(".py")] for p in SCRIPTS} - {"model"}
     found = [f"{name(p)} imports {m}" for p in PACKAGE for m in imported(p) if m in scripts]
+    assert not found, found
+    found = [f"{name(p)} imports train_gpt2" for p in PROJECT + TESTS for m in imported(p) if m == "train_gpt2"]
     assert not found, found
 
 
@@ -74,28 +80,74 @@ def test_no_function_needs_more_than_six_arguments():
     assert not crowded, crowded
 
 
-def test_what_other_files_import_from_the_trainer_reads_no_constant():
-    top = {n.name: n for n in tree(os.path.join(ROOT, "train_gpt2.py")).body
-           if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    constants = set(train_gpt2.DEFAULTS) | {"rank", "world", "config"}
-    readers = {}
-    for piece in IMPORTED:
-        nodes = list(ast.walk(top[piece]))
-        params = {a.arg for f in nodes if isinstance(f, (ast.FunctionDef, ast.Lambda))
-                  for a in f.args.args + f.args.kwonlyargs}
-        names = [n for n in nodes if isinstance(n, ast.Name)]
-        stored = {n.id for n in names if isinstance(n.ctx, ast.Store)}
-        loaded = {n.id for n in names if isinstance(n.ctx, ast.Load)}
-        read = sorted((loaded - params - stored) & constants)
-        if read:
-            readers[piece] = read
-    assert not readers, readers
+def test_the_trainer_is_one_flat_script():
+    """Issue 42: train_gpt2.py is read top to bottom, as nanoGPT's train.py: no `global` statement,
+    no main, and at most three helper functions of at most 30 lines each (the rest is the run
+    itself, at the top level)."""
+    trainer = os.path.join(ROOT, "train_gpt2.py")
+    assert not [n.lineno for n in ast.walk(tree(trainer)) if isinstance(n, ast.Global)]
+    defs = {f.name: f.end_lineno - f.lineno + 1 for f in functions(trainer)}
+    assert len(defs) <= 3 and "main" not in defs, defs
+    assert all(lines <= 30 for lines in defs.values()), defs
 
 
-def test_collectives_only_in_parallel_and_the_trainer():
+def module_name(path):
+    """path as Python imports it: train_gpt2, gptkit.parallel."""
+    return name(path)[:-len(".py")].replace(os.sep, ".")
+
+
+def project_imports(path, modules):
+    """The project's modules (of modules) that path imports, anywhere in it (inside functions too)."""
+    found = set()
+    for n in ast.walk(tree(path)):
+        if isinstance(n, ast.Import):
+            found |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom):  # from . import x (relative): from path's package
+            base = ".".join(module_name(path).split(".")[:-n.level] + [n.module or ""]).strip(".")
+            base = base if n.level else n.module
+            found |= {base} | {f"{base}.{a.name}" for a in n.names}  # from gptkit import parallel: a module
+    return found & modules
+
+
+def find_cycle(graph):
+    """A cycle of graph ({module: modules it imports}) as [a, b, ..., a], or None."""
+    done, path = set(), []
+
+    def visit(m):
+        if m in path:
+            return path[path.index(m):] + [m]
+        if m in done:
+            return None
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if cycle := visit(n):
+                return cycle
+        path.pop()
+        done.add(m)
+        return None
+
+    for m in sorted(graph):
+        if cycle := visit(m):
+            return cycle
+    return None
+
+
+def test_no_import_cycle():
+    """Issue 42: no module of the project imports, directly or through others, one that imports it
+    back, counting the imports inside functions (a cycle there only waits for the call to bite)."""
+    modules = {module_name(p) for p in PROJECT}
+    graph = {module_name(p): project_imports(p, modules) - {module_name(p)} for p in PROJECT}
+    # the walk sees what it must: top-level and in-function imports, `from gptkit import x` as module x
+    assert {"gptkit.checkpoint", "model"} <= graph["train_gpt2"], graph["train_gpt2"]
+    assert {"gptkit.parallel", "gptkit.memory"} <= graph["gptkit.checkpoint"], graph["gptkit.checkpoint"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_collectives_only_in_parallel_fsdp_and_the_trainer():
     names = r"all_reduce|all_gather\w*|broadcast\w*|barrier|reduce_scatter\w*|gather|scatter|send|recv"
     collective = re.compile(rf"\bdist\.({names})\(|\.full_tensor\(")
-    found = [f"{name(p)}:{i}" for p in PROJECT if name(p) not in ("gptkit/parallel.py", "train_gpt2.py")
+    found = [f"{name(p)}:{i}" for p in PROJECT if name(p) not in ("gptkit/parallel.py", "gptkit/fsdp.py", "train_gpt2.py")
              for i, line in enumerate(open(p), 1) if collective.search(line)]
     assert not found, found
 
@@ -115,7 +167,7 @@ STORE = ("_get_default_store", "_set_pg_timeout")
 TORCH_FLOOR = [
     ("torch.optim.Muon with adjust_lr_fn (optimizer='muon')", (2, 9), lambda: torch.optim.Muon),
     ("FSDP2's fully_shard, public (parallel='fsdp')", (2, 9), lambda: torch.distributed.fsdp.fully_shard),
-    ("the process group's store and timeout (parallel.wait_for_all, hold_to)", (2, 9),
+    ("the process group's store and timeout (parallel.wait_for_all, set_collective_timeout)", (2, 9),
      lambda: all(hasattr(dist.distributed_c10d, f) for f in STORE) and dist.DistStoreError),
     ("torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT (scripts/slurm_train.sh; pytorch PR #172596)", (2, 12),
      lambda: "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in inspect.getsource(torch.distributed.launcher.api)),

@@ -213,13 +213,15 @@ def test_linear_cross_entropy_matches_torch(dtype, rtol):
 
 
 def test_training_loss_and_gradients_match_hf(tmp_path):
-    """model(x, y) while training on a CPU (the fused loss of gptkit/cpu.py, no logits returned)
-    against HF transformers' GPT2LMHeadModel with the same weights: the same loss, and the same
-    gradient for every parameter (Conv1D ones transposed). In eval the logits come back, with the
-    same loss."""
+    """model(x, y) while training on a CPU (the fused loss that gptkit/cpu.py:fuse_loss gives the
+    trainer's model there, no logits returned) against HF transformers' GPT2LMHeadModel with the same
+    weights: the same loss, and the same gradient for every parameter (Conv1D ones transposed). In
+    eval the logits come back, with the same loss."""
+    from gptkit.cpu import fuse_loss
     from model import HF_CONV1D_WEIGHTS
     hf = make_hf(tmp_path)
     model = GPT.from_pretrained(str(tmp_path))
+    fuse_loss(model)
     idx = torch.randint(0, 300, (3, 48), generator=torch.Generator().manual_seed(2))
     x, y = idx[:, :-1], idx[:, 1:]
     logits, loss = model(x, y)
@@ -239,9 +241,10 @@ def test_training_loss_and_gradients_match_hf(tmp_path):
 
 
 def test_the_loss_path_is_chosen_by_the_device(monkeypatch):
-    """Issue 27.4: the CPU's fused loss (faster there) trains on the CPU only; on any other device
-    (the meta device stands in for CUDA here) the training loss is F.cross_entropy, the code that
-    torch.compile fuses, so turning compile off to debug a GPU run changes no loss code. The
+    """Issues 27.4 and 42: GPT.forward's training loss is F.cross_entropy on every device (the meta
+    device stands in for CUDA here), the code that torch.compile fuses, so turning compile off to
+    debug a GPU run changes no loss code; the CPU's fused loss is an instance's own forward, set by
+    gptkit/cpu.py:fuse_loss (the trainer calls it on a CPU only), and only for a training step. The
     per-target losses of reduction='none' are -log softmax at the target, computed here by hand in
     float64, and 0 where a target is -1."""
     from gptkit import cpu
@@ -255,8 +258,13 @@ def test_the_loss_path_is_chosen_by_the_device(monkeypatch):
         model = GPT(config).to(device)
         x, y = torch.randint(0, 300, (2, 3, 16), device=device)
         logits, loss = model(x, y)
-        assert (logits is None) == (device == "cpu") and loss.shape == ()
-    assert calls == ["cpu"]
+        assert logits is not None and loss.shape == ()
+    assert calls == []
+    cpu.fuse_loss(model := GPT(config))
+    x, y = torch.randint(0, 300, (2, 3, 16))
+    assert model(x, y)[0] is None and calls == ["cpu"]
+    with torch.no_grad():
+        assert model(x, y)[0] is not None and calls == ["cpu"]
     model = GPT(config)
     x, y = torch.randint(0, 300, (2, 3, 16))
     y[0, :5] = -1
@@ -278,7 +286,9 @@ def test_forward_compiles_to_one_graph(grad):
     run outside the compiled code; and the compiled loss is the eager F.cross_entropy one."""
     import torch._dynamo
     torch.manual_seed(0)
+    from gptkit.cpu import fuse_loss
     model = GPT(GPTConfig(block_size=16, vocab_size=300, n_layer=2, n_head=2, n_embd=32))
+    fuse_loss(model)  # as the trainer's model on a CPU: compiled, its own forward steps aside
     x, y = torch.randint(0, 300, (2, 3, 16))
     torch._dynamo.reset()
     with torch.set_grad_enabled(grad):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tarfile
 import io
+import json
 
 import numpy as np
 import pytest
@@ -16,8 +17,7 @@ import torch
 import forked
 from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
 from model import GPT, GPTConfig
-from gptkit.optim import get_lr
-from test_resume import start, state, wait_for_step
+from test_resume import start, state, wait_for_step, wrapper
 
 STEPS = 40
 COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=128", f"--max_steps={STEPS}",
@@ -46,19 +46,70 @@ def muon1(data, tmp_path_factory):
 
 # --- the schedule ---------------------------------------------------------------------------------
 
-def test_wsd_learning_rate_at_its_boundaries():
-    kw = dict(max_lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=100, schedule="wsd", decay_frac=0.2)
-    lr = lambda step, **more: get_lr(step, **{**kw, **more})
-    assert lr(0) == pytest.approx(1e-4) and lr(9) == pytest.approx(1e-3)  # warmup ends at max_lr
-    assert lr(10) == lr(50) == lr(80) == 1e-3  # stable until the decay starts at 100 - 20
-    assert lr(81) == pytest.approx(1e-3 - 0.05 * 9e-4) and lr(90) == pytest.approx(5.5e-4)  # linear
-    assert lr(99) == pytest.approx(1e-4 + 0.05 * 9e-4) and lr(100) == lr(150) == 1e-4  # min_lr at max_steps
-    assert lr(84, decay_shape="1-sqrt") == pytest.approx(1e-3 - math.sqrt(0.2) * 9e-4)  # fast, then gentle
-    assert lr(100, decay_shape="1-sqrt") == 1e-4
+RECORD_LRS = """
+import json
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+lrs = []
+register_optimizer_step_pre_hook(lambda opt, a, k: lrs.append([g["lr"] for g in opt.param_groups]))
+"""
+
+
+def scheduled_lrs(data, tmp_path, name, *extra):
+    """{step: lr} of a real run (warmup 10, max_lr 1e-3, min_lr 1e-4, one micro-step a step, no
+    evals): the lr that each step's optimizer.step() found in every param group (a probe), checked
+    against the lr its step line prints."""
+    script = wrapper(tmp_path, "record_lrs.py", RECORD_LRS, after="print('lrs:', json.dumps(lrs))")
+    run_args = args(data, tmp_path / name, "--warmup_steps=10", "--total_batch_size=32", "--eval_interval=0",
+                    "--checkpoint_interval=0", *extra)
+    r = run_script(run_args, script=script, PYTHONPATH=ROOT)
+    assert r.returncode == 0, r.stderr
+    out, recorded = r.stdout.split("lrs:")
+    printed = {int(m[1]): m[2] for m in re.finditer(r"^step +(\d+) \| loss \S+ \| lr (\S+) \|", out, re.M)}
+    recorded = json.loads(recorded)
+    assert sorted(printed) == list(range(len(recorded))), printed
+    assert all(len(set(groups)) == 1 for groups in recorded)  # every group at the step's lr (AdamW: 2)
+    lrs = {step: groups[0] for step, groups in enumerate(recorded)}
+    assert all(printed[s] == f"{lrs[s]:.4e}" for s in lrs), (printed, lrs)
+    return lrs
+
+
+def reference_lr(step, max_steps, schedule="cosine", shape="linear", warmup=10, top=1e-3, bottom=1e-4,
+                 frac=0.2):
+    """The schedule (docs/recipes.md), written out here on its own: what the trainer must agree with."""
+    if step < warmup:
+        return top * (step + 1) / warmup
+    if schedule == "cosine":
+        return bottom + (top - bottom) * (1 + math.cos(math.pi * (step - warmup) / (max_steps - warmup))) / 2
+    done = (step - (max_steps - round(frac * max_steps))) / round(frac * max_steps)
+    if done <= 0:
+        return top
+    return top - (top - bottom) * (done if shape == "linear" else math.sqrt(done))
+
+
+def test_wsd_learning_rate_at_its_boundaries(data, tmp_path):
+    """WSD's warmup, stable phase and decay (linear, 1-sqrt), a raised max_steps, and the default
+    cosine: the lr the trainer gives each step's optimizer (and prints), from short real runs."""
+    wsd = ["--lr_schedule=wsd", "--decay_frac=0.2"]
+    lr = scheduled_lrs(data, tmp_path, "linear", *wsd, "--max_steps=100")
+    assert sorted(lr) == list(range(100))
+    assert lr[0] == pytest.approx(1e-4) and lr[9] == pytest.approx(1e-3)  # warmup ends at max_lr
+    assert lr[10] == lr[50] == lr[80] == 1e-3  # stable until the decay starts at 100 - 20
+    assert lr[81] == pytest.approx(1e-3 - 0.05 * 9e-4) and lr[90] == pytest.approx(5.5e-4)  # linear
+    assert lr[99] == pytest.approx(1e-4 + 0.05 * 9e-4)  # min_lr at max_steps, the step after the last
+    assert all(lr[s] == pytest.approx(reference_lr(s, 100, "wsd")) for s in lr)
+    assert all(lr[s] > lr[s + 1] for s in range(80, 99))
+    sqrt = scheduled_lrs(data, tmp_path, "1-sqrt", *wsd, "--max_steps=100", "--decay_shape=1-sqrt")
+    assert sqrt[84] == pytest.approx(1e-3 - math.sqrt(0.2) * 9e-4)  # fast, then gentle
+    assert all(sqrt[s] == pytest.approx(reference_lr(s, 100, "wsd", "1-sqrt")) for s in sqrt)
+    assert all(sqrt[s] == lr[s] for s in range(81)) and all(sqrt[s] < lr[s] for s in range(81, 100))
     # raising max_steps before the decay began: the same step is still stable, the decay moves on
-    assert lr(75) == lr(75, max_steps=200) == lr(159, max_steps=200) == 1e-3 and lr(161, max_steps=200) < 1e-3
+    longer = scheduled_lrs(data, tmp_path, "longer", *wsd, "--max_steps=200")
+    assert lr[75] == longer[75] == longer[159] == 1e-3 and longer[161] < 1e-3
+    assert all(longer[s] == pytest.approx(reference_lr(s, 200, "wsd")) for s in longer)
     # the default schedule is build-nanogpt's cosine, unchanged
-    assert get_lr(55, 1e-3, 1e-4, 10, 100) == pytest.approx(1e-4 + 0.5 * 9e-4)
+    cosine = scheduled_lrs(data, tmp_path, "cosine", "--max_steps=100")
+    assert cosine[55] == pytest.approx(1e-4 + 0.5 * 9e-4)
+    assert all(cosine[s] == pytest.approx(reference_lr(s, 100)) for s in cosine)
 
 
 def test_wsd_resumes_in_its_stable_phase_with_a_raised_max_steps(muon1, data, tmp_path):
@@ -179,7 +230,6 @@ def test_muon_on_two_processes_logs_what_one_does(data, tmp_path):
 
 
 COUNT_MATMULS = """
-import os, sys, train_gpt2
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.ops import aten
 from gptkit.optim import MuonAdamW
@@ -198,9 +248,8 @@ def counted(self, *a, **k):
     with Matmuls():
         return step(self, *a, **k)
 MuonAdamW.step = counted
-train_gpt2.main(sys.argv[1:])
-print(f"rank {os.environ.get('RANK', 0)} matmuls in optimizer.step(): {Matmuls.n}")
 """
+PRINT_MATMULS = "print(f\"rank {os.environ.get('RANK', 0)} matmuls in optimizer.step(): {Matmuls.n}\")"
 
 
 def test_muon_on_two_processes_splits_its_matmuls(data, tmp_path):
@@ -209,13 +258,13 @@ def test_muon_on_two_processes_splits_its_matmuls(data, tmp_path):
     one process runs, and yet the weights stay equal on both ranks (the replica check of the last
     step's checkpoint passes) and the losses are one process's. Counted on the trainer itself,
     each run's MuonAdamW.step under a TorchDispatchMode."""
-    (tmp_path / "count.py").write_text(COUNT_MATMULS)
+    script = wrapper(tmp_path, "count.py", COUNT_MATMULS, after=PRINT_MATMULS)
     run_args = [*MUON, "--max_steps=4", "--eval_interval=0", "--checkpoint_interval=0"]
     counts, logs = {}, {}
     for nproc in (None, 2):
         log_dir = tmp_path / f"log{nproc}"
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if nproc else []
-        cmd = [sys.executable, *launcher, str(tmp_path / "count.py"), *args(data, log_dir, *run_args)]
+        cmd = [sys.executable, *launcher, script, *args(data, log_dir, *run_args)]
         r = forked.run(cmd, cwd=ROOT, env=one_thread(PYTHONPATH=ROOT), capture_output=True, text=True,
                        timeout=300)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

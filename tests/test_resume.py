@@ -1,6 +1,8 @@
 """Exact resume, preemption and node failure, with real processes: a run stopped any way and
 started again with the same command ends with the same log and the same weights as a run that
 was never stopped."""
+import inspect
+import json
 import os
 import pickle
 import re
@@ -341,28 +343,34 @@ def test_config_against_the_checkpoint(one, data, tmp_path):
     assert f"nothing to do: {log_dir / 'model_00042.pt'} is step 42 and max_steps=42" in r.stdout
 
 
+def wrapper(tmp_path, name, patch, after=""):
+    """tmp_path/name: a script that runs patch (Python: a probe or a fault on a seam the trainer
+    calls), then train_gpt2.py as python runs it, then after. Run it with run_script(script=...)."""
+    path = tmp_path / name
+    path.write_text(f"import os, runpy, sys\n{patch}\nsys.argv[0] = {TRAINER!r}\n"
+                    f"runpy.run_path({TRAINER!r}, run_name='__main__')\n{after}\n")
+    return str(path)
+
+
+TRAINER = os.path.join(ROOT, "train_gpt2.py")
 INJECT = """
-import sys, torch, train_gpt2
+import torch
 bad, calls = {bad}, [0]
-step = train_gpt2.train_step
-def poisoned(state, *a, **k):  # a NaN gradient on the chosen calls of train_step
-    hook = None
+clip = torch.nn.utils.clip_grad_norm_
+def poisoned(parameters, *a, **k):  # a NaN gradient on the chosen steps (the clip's calls, one a step)
+    parameters = list(parameters)
     if calls[0] in bad:
-        hook = next(state.model.parameters()).register_hook(lambda g: g * float('nan'))
+        parameters[0].grad.mul_(float('nan'))
     calls[0] += 1
-    try:
-        return step(state, *a, **k)
-    finally:
-        if hook: hook.remove()
-train_gpt2.train_step = poisoned
-train_gpt2.main(sys.argv[1:])
+    return clip(parameters, *a, **k)
+torch.nn.utils.clip_grad_norm_ = poisoned
 """
 
 
-def inject_nan(bad_steps, cmd_args):
-    env = one_thread()
-    return forked.run([sys.executable, "-c", INJECT.format(bad=set(bad_steps)), *cmd_args], cwd=ROOT, env=env,
-                      capture_output=True, text=True, timeout=300)
+def inject_nan(bad_steps, cmd_args, tmp_path):
+    """The trainer with a NaN gradient at the optimizer steps of bad_steps (counted from the run's start)."""
+    script = wrapper(tmp_path, f"nan{len(list(tmp_path.glob('nan*')))}.py", INJECT.format(bad=set(bad_steps)))
+    return run_script(cmd_args, script=script, PYTHONPATH=ROOT)
 
 
 def test_non_finite_step_is_skipped(one, data, tmp_path):
@@ -371,7 +379,7 @@ def test_non_finite_step_is_skipped(one, data, tmp_path):
     and a clear error."""
     log_dir = tmp_path / "log"
     every_step = ["--max_steps=40", "--checkpoint_interval=1", "--eval_interval=0"]  # a checkpoint a step
-    r = inject_nan([30], args(data, log_dir, *every_step))
+    r = inject_nan([30], args(data, log_dir, *every_step), tmp_path)
     assert r.returncode == 0, r.stderr
     assert "step    30 | loss " in r.stdout
     assert "non-finite: update skipped (1 in a row, max_bad_steps=5)" in r.stdout
@@ -383,7 +391,7 @@ def test_non_finite_step_is_skipped(one, data, tmp_path):
     assert not torch.equal(*lm_head)  # and the steps after it did
 
     log_dir = tmp_path / "stop"
-    r = inject_nan(range(30, 100), args(data, log_dir, "--max_bad_steps=3"))
+    r = inject_nan(range(30, 100), args(data, log_dir, "--max_bad_steps=3"), tmp_path)
     assert r.returncode == 1
     assert (f"error: stopped after 3 steps in a row with a non-finite loss or gradient norm "
             f"(max_bad_steps=3); {log_dir / 'model_00033.pt'} holds the last good weights") in r.stderr
@@ -464,29 +472,6 @@ def test_samples_are_trimmed_too(tmp_path):
     assert (tmp_path / "b" / "log.txt").read_text() == (tmp_path / "a" / "log.txt").read_text()
 
 
-class Loader:
-    """In place of train_gpt2.DataLoaderLite, for a TrainState built in the test."""
-    pos = 0
-
-    def load_state(self, state, source):
-        pass
-
-    def state(self):
-        return {"file": "edufineweb_train_000000.npy"}
-
-
-def trained_state(n_layer):
-    """A TrainState of a tiny GPT after one AdamW step (the moments exist), on the CPU."""
-    from gptkit import checkpoint
-    from model import GPT, GPTConfig
-    torch.manual_seed(0)
-    m = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=n_layer, n_head=2, n_embd=16))
-    opt = m.configure_optimizers(0.1, 1e-3, "cpu")
-    m(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
-    opt.step()
-    return checkpoint.TrainState(m, m, opt, torch.amp.GradScaler("cpu", enabled=False), Loader())
-
-
 def checksum_before_issue_36(obj):
     """The checksum as written until issue 36, one .item() per tensor: what older checkpoints hold."""
     if torch.is_tensor(obj):
@@ -499,77 +484,138 @@ def checksum_before_issue_36(obj):
     return sum(map(checksum_before_issue_36, obj)) % 2 ** 62
 
 
-def test_a_checkpoint_write_reads_values_back_a_fixed_number_of_times(tmp_path):
+# a checkpoint a step, no evals: the trainer's checkpoints of steps 1 and 2, the moments made
+TWO_CHECKPOINTS = ["--max_steps=2", "--checkpoint_interval=1", "--eval_interval=0"]
+
+COUNT_READS = """
+import json
+import torch
+from torch.overrides import TorchFunctionMode
+T = torch.Tensor
+reads_by_name = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.cpu, T.numpy}
+saves, modes = [], {}
+
+
+class HostReads(TorchFunctionMode):  # the host reads of tensor values, by name
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in reads_by_name:
+            saves[-1].append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def profile(frame, event, arg):  # each call of the trainer's save_checkpoint, from its start to its end
+    if frame.f_code.co_name == 'save_checkpoint' and frame.f_code.co_filename == %r:
+        if event == 'call':
+            saves.append([])
+            modes[frame] = HostReads()
+            modes[frame].__enter__()
+        elif event == 'return':
+            modes.pop(frame).__exit__(None, None, None)
+sys.setprofile(profile)
+"""
+
+
+def test_a_checkpoint_write_reads_values_back_a_fixed_number_of_times(data, tmp_path):
     """Issue 36.5: writing a checkpoint reads tensor values back to the host twice (the replicas'
     checksum, the checkpoint's), however many tensors it holds: it was once a tensor, and on a GPU
     each read waits for the device (~450 at 124M). Every read by name, as test_step's probe counts
-    them (item, tolist, bool, float, int, index, cpu, numpy), for two model sizes."""
-    from torch.overrides import TorchFunctionMode
-
-    from gptkit import checkpoint
-    T = torch.Tensor
-    reads_by_name = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.cpu, T.numpy}
-
-    class HostReads(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func in reads_by_name:
-                reads.append(func.__name__)
-            return func(*args, **(kwargs or {}))
+    them (item, tolist, bool, float, int, index, cpu, numpy), for two model sizes, in every call of
+    the trainer's save_checkpoint during a real run (a profile hook brackets each call)."""
+    script = wrapper(tmp_path, "count_reads.py", COUNT_READS % TRAINER,
+                     after="sys.setprofile(None)\nprint('saves:', json.dumps(saves))")
     seen = {}
     for n_layer in (1, 4):
-        state, reads = trained_state(n_layer), []
-        with HostReads():
-            checkpoint.save_checkpoint(state, 1.0, {}, tmp_path, keep_checkpoints=0)
-        seen[n_layer] = reads
-    assert seen == {1: ["tolist", "tolist"], 4: ["tolist", "tolist"]}
+        r = run_script(args(data, tmp_path / f"log{n_layer}", *TWO_CHECKPOINTS, f"--n_layer={n_layer}"),
+                       script=script, PYTHONPATH=ROOT)
+        assert r.returncode == 0, r.stderr
+        seen[n_layer] = json.loads(r.stdout.split("saves:")[1])
+        assert sorted(p.name for p in (tmp_path / f"log{n_layer}").glob("model_*.pt")) == [
+            "model_00001.pt", "model_00002.pt"]
+    assert seen == {1: [["tolist", "tolist"]] * 2, 4: [["tolist", "tolist"]] * 2}
 
 
-def test_a_checkpoint_is_the_file_written_before_issue_36(tmp_path):
+WRITE_THE_OLD_WAY = """
+import torch
+from gptkit import checkpoint
+from gptkit.common import atomic_write
+%s
+save = checkpoint.save
+
+
+def save_both(ckpt, log_dir, keep_checkpoints):  # each checkpoint also written as before issue 36, to OLD
+    if ckpt is not None:
+        old = dict(ckpt)
+        old['checksum'] = checksum_before_issue_36(old)
+        os.makedirs(OLD, exist_ok=True)  # under the same file name, which torch.save writes into the file
+        atomic_write(os.path.join(OLD, f"model_{ckpt['step']:05d}.pt"), lambda f: torch.save(old, f))
+    return save(ckpt, log_dir, keep_checkpoints)
+checkpoint.save = save_both
+OLD = %r
+"""
+
+
+def test_a_checkpoint_is_the_file_written_before_issue_36(data, tmp_path):
     """Issue 36.5: the checkpoint's tensors go to the host in one pass and its checksum is read once,
     but the file is byte for byte the one written before (torch.save of the state, the checksum
     summed one tensor at a time): old checkpoints verify, the tied wte/lm_head weight is saved once
-    (one storage, two keys), the state dict keeps its metadata."""
+    (one storage, two keys), the state dict keeps its metadata. A real run writes each checkpoint,
+    and a wrapper writes the state it was given the old way beside it."""
     from gptkit import checkpoint
-    from gptkit.common import atomic_write
-    state = trained_state(2)
-    checkpoint.save_checkpoint(state, 1.0, {}, tmp_path, keep_checkpoints=0)
-    old = checkpoint.checkpoint_state(state, 1.0, {})
-    old["checksum"] = checksum_before_issue_36(old)
-    (tmp_path / "old").mkdir()  # under the same file name, which torch.save writes into the file
-    atomic_write(tmp_path / "old" / "model_00000.pt", lambda f: torch.save(old, f))
-    assert (tmp_path / "model_00000.pt").read_bytes() == (tmp_path / "old" / "model_00000.pt").read_bytes()
-    ckpt = checkpoint.read_checkpoint(tmp_path / "old" / "model_00000.pt")  # verifies
-    model = ckpt["model"]
-    assert model["lm_head.weight"].untyped_storage().data_ptr() == \
-        model["transformer.wte.weight"].untyped_storage().data_ptr()
+    patch = WRITE_THE_OLD_WAY % (inspect.getsource(checksum_before_issue_36), str(tmp_path / "old"))
+    r = run_script(args(data, tmp_path / "log", *TWO_CHECKPOINTS), script=wrapper(tmp_path, "old_way.py", patch),
+                   PYTHONPATH=ROOT)
+    assert r.returncode == 0, r.stderr
+    for name in ("model_00001.pt", "model_00002.pt"):
+        assert (tmp_path / "log" / name).read_bytes() == (tmp_path / "old" / name).read_bytes(), name
+        ckpt = checkpoint.read_checkpoint(tmp_path / "old" / name)  # verifies
+        model = ckpt["model"]
+        assert model["lm_head.weight"].untyped_storage().data_ptr() == \
+            model["transformer.wte.weight"].untyped_storage().data_ptr()
+        assert len(ckpt["optimizer"]["state"]) == len(model) - 1  # AdamW's moments, in the file
+        assert hasattr(model, "_metadata")  # the state dict's, as torch writes it
     nested = {"a": [torch.randn(5), (torch.randint(-2 ** 31, 2 ** 31 - 1, (7,), dtype=torch.int32), 3)],
               "b": {"c": torch.ones(3, dtype=torch.float16), "d": torch.arange(-9, 9)}, "e": "text"}
     assert checkpoint.checksum(nested) == checksum_before_issue_36(nested)
 
 
-def test_resumed_optimizer_keeps_this_devices_settings():
-    """Issue 21.6: a checkpoint's param groups carry the saving run's AdamW settings (foreach, as
-    written before issue 27 made AdamW fused everywhere); restore keeps the fresh optimizer's and
-    the checkpoint's state."""
-    from gptkit import checkpoint
-    from model import GPT, GPTConfig
-    torch.manual_seed(0)
-    m = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
-    opt = m.configure_optimizers(0.1, 1e-3, "cpu")
-    m(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
-    opt.step()
-    saved = opt.state_dict()
-    for group in saved["param_groups"]:
-        group.update(fused=False, foreach=True)  # as an older CPU run wrote them
+PROBE_OPTIMIZER = """
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+seen = []
 
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    state = checkpoint.TrainState(m, m, m.configure_optimizers(0.1, 1e-3, "cpu"), scaler, Loader())
-    ckpt = {"model": m.state_dict(), "optimizer": saved, "loader": {}, "rng": checkpoint.rng_state("cpu"),
-            "step": 1, "evaluated": False, "bad_steps": 0}
-    checkpoint.restore(state, ckpt, "model_00001.pt", max_bad_steps=5)
-    assert [(g["fused"], g["foreach"]) for g in state.optimizer.param_groups] == [(True, None)] * 2
-    first = next(m.parameters())
-    assert torch.equal(state.optimizer.state[first]["exp_avg"], opt.state[first]["exp_avg"])
+
+def first_step(optimizer, args, kwargs):  # the resumed optimizer as its first step finds it
+    if not seen:
+        seen.append(1)
+        torch.save({"groups": [(g["fused"], g["foreach"]) for g in optimizer.param_groups],
+                    "state": optimizer.state_dict()["state"]}, %r)
+register_optimizer_step_pre_hook(first_step)
+"""
+
+
+def test_resumed_optimizer_keeps_this_devices_settings(data, tmp_path):
+    """Issue 21.6: a checkpoint's param groups carry the saving run's AdamW settings (foreach, as
+    written before issue 27 made AdamW fused everywhere); a resume keeps the fresh optimizer's and
+    the checkpoint's state: probed at the resumed run's first optimizer step."""
+    log_dir = tmp_path / "log"
+    r = run_script(args(data, log_dir, "--max_steps=1", "--eval_interval=0"))
+    assert r.returncode == 0, r.stderr
+    path = log_dir / "model_00001.pt"
+    ckpt = torch.load(path, weights_only=True)
+    assert [(g["fused"], g["foreach"]) for g in ckpt["optimizer"]["param_groups"]] == [(True, None)] * 2
+    for group in ckpt["optimizer"]["param_groups"]:
+        group.update(fused=False, foreach=True)  # as an older CPU run wrote them (the checksum: tensors only)
+    torch.save(ckpt, path)
+    probe = tmp_path / "probe.pt"
+    r = run_script(args(data, log_dir, "--max_steps=2", "--eval_interval=0"), PYTHONPATH=ROOT,
+                   script=wrapper(tmp_path, "probe_optimizer.py", PROBE_OPTIMIZER % str(probe)))
+    assert r.returncode == 0, r.stderr
+    assert f"resuming from {path}: step 1" in r.stdout
+    seen = torch.load(probe, weights_only=True)
+    assert seen["groups"] == [(True, None)] * 2
+    assert seen["state"].keys() == ckpt["optimizer"]["state"].keys()
+    assert all(torch.equal(seen["state"][i][k], ckpt["optimizer"]["state"][i][k])
+               for i in seen["state"] for k in ("exp_avg", "exp_avg_sq", "step"))
 
 
 def test_ctrl_c_stops_like_sigterm_and_a_second_one_aborts(one, data, tmp_path):
