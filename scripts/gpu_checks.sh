@@ -61,14 +61,16 @@ random_shards('/tmp/auto_data', 0, 2**20, [2**23], 50304)"
 import os, sys, torch  # python3 /tmp/as_gb.py GB ARGS...: the trainer on GB of the GPU, eager, 2 steps
 torch.cuda.set_per_process_memory_fraction(float(sys.argv[1]) * 1e9 / torch.cuda.mem_get_info()[1])
 sys.path.insert(0, os.getcwd())
-import train_gpt2
-train_gpt2.main(sys.argv[2:] + ["--data_root=/tmp/auto_data", f"--log_dir=/tmp/auto_log_{os.getpid()}",
-                                "--max_steps=2", "--eval_interval=2", "--val_tokens=65536",
-                                "--hellaswag=False", "--sample_interval=0", "--compile=False"])
+import runpy
+sys.argv = ["train_gpt2.py", *sys.argv[2:], "--data_root=/tmp/auto_data",
+            f"--log_dir=/tmp/auto_log_{os.getpid()}", "--max_steps=2", "--eval_interval=2",
+            "--val_tokens=65536", "--hellaswag=False",
+            "--sample_interval=0", "--compile=False"]
+runpy.run_path("train_gpt2.py", run_name="__main__")
 EOF
-    check auto_124M_24GB 150 python3 /tmp/as_gb.py 24
-    check auto_350M_40GB 200 python3 /tmp/as_gb.py 40 config/gpt2_350M.py
-    # expected: exit 1 and "error: out of memory in the training step"
+    check auto_124M_24GB 150 python3 /tmp/as_gb.py 24 --B=auto
+    check auto_350M_40GB 200 python3 /tmp/as_gb.py 40 config/gpt2_350M.py --B=auto
+    # expected: exit 1 and "error: out of memory at B=64 ..."
     check B64_24GB_is_one_line 120 python3 /tmp/as_gb.py 24 --B=64
 fi
 if [[ $phase == 3 ]]; then

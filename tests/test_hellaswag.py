@@ -73,57 +73,106 @@ def brute_force(hf, example):
 
 
 def test_render_example_as_build_nanogpt(enc):
-    """prepare's rows are build-nanogpt's (context tokens, then " " + ending tokens), and the tokens
-    it scores are every ending's, each predicted from the position before it."""
+    """prepare packs an example into one row: its context once, then each ending, at the positions
+    right after the context. Every scored token is an ending's, and what predicts it sees exactly
+    build-nanogpt's row before it (context tokens, then " " + ending tokens): the context and the
+    ending's earlier tokens, at their positions in that row."""
     e = {"ctx": "A man sits", "label": 2, "endings": ["down.", "on a big chair.", "up", "there"]}
-    [(ctx, [(which, x, at)], y, row)], labels = hellaswag.prepare([e], 64, "cpu", 1, one_shape=True)
-    rows = [enc.encode("A man sits") + enc.encode(" " + ending) for ending in e["endings"]]
-    assert sorted(x.tolist()) == sorted(r + [0] * (x.size(1) - len(r)) for r in rows)
-    assert sorted(y.tolist()) == sorted(t for ending in e["endings"] for t in enc.encode(" " + ending))
-    assert torch.equal(x.view(-1)[at + 1], y) and which.tolist() == [0] * 4
-    assert labels.tolist() == [2] and ctx.shape == (1, 0) and sorted(set(row.tolist())) == [0, 1, 2, 3]
+    [(x, seg, pos, at, y, row)], labels = hellaswag.prepare([e], 64, "cpu", 1)
+    ctx, endings = enc.encode("A man sits"), [enc.encode(" " + ending) for ending in e["endings"]]
+    rows = [ctx + ending for ending in endings]  # build-nanogpt's 4 rows
+    c = len(ctx)
+    assert x.tolist() == [ctx + sum(endings, [])]
+    assert seg.tolist() == [[0] * c + sum(([i + 1] * len(t) for i, t in enumerate(endings)), [])]
+    assert pos.tolist() == [list(range(c)) + sum((list(range(c, c + len(t))) for t in endings), [])]
+    assert y.tolist() == sum(endings, []) and sorted(set(row.tolist())) == [0, 1, 2, 3]
+    assert labels.tolist() == [2]
+    flat = lambda t: t.view(-1).tolist()
+    for a, token, i in zip(at.tolist(), y.tolist(), row.tolist()):  # i: the ending (one example)
+        seen = [t for j, (t, s) in enumerate(zip(flat(x), flat(seg))) if j <= a and s in (0, flat(seg)[a])]
+        p = flat(pos)[a]
+        assert flat(seg)[a] in (0, i + 1) and seen == rows[i][:p + 1] and token == rows[i][p + 1]
+    assert len(at) == sum(map(len, endings))  # every ending token is scored, once
 
 
 def losses_of(model, examples, batch_examples=32, one_shape=False, dtype="float32", rank=0, world=1):
-    """hellaswag.py's (sum, mean) loss of every ending and its counts, the endings sorted by their sum
-    (prepare orders the examples its own way)."""
+    """hellaswag.py's (sum, mean) loss of the 4 endings of each of rank's examples, (n, 4) in the
+    examples' order (which example each of prepare's rows packs is read back from its tokens), their
+    indices in examples, and the counts evaluate gives."""
     prepared = hellaswag.prepare(examples, model.config.block_size, "cpu", batch_examples, rank, world,
                                  one_shape)
     sums, means = hellaswag.ending_losses(model, prepared, dtype)
-    order = sums.argsort()
-    return sums[order], means[order], hellaswag.evaluate(model, prepared, dtype).tolist()
+    order = examples_of(prepared, examples)
+    return sums.view(-1, 4), means.view(-1, 4), order, hellaswag.evaluate(model, prepared, dtype).tolist()
+
+
+def examples_of(prepared, examples):
+    """The index in examples of each example prepare packed, in its order: read from each row's
+    tokens (context, then the 4 endings, by seg) and matched with the examples' own."""
+    from gptkit.tokenizer import get_gpt2_encoding
+    enc = get_gpt2_encoding()
+    index = {(tuple(enc.encode(e["ctx"])), tuple(tuple(enc.encode(" " + t)) for t in e["endings"])): j
+             for j, e in enumerate(examples)}
+    batches, labels = prepared
+    order = {}
+    for x, seg, pos, at, y, row in batches:
+        L = x.size(1)
+        for a, k in zip(at.tolist(), row.tolist()):
+            if k == 4 * len(labels):  # padding
+                continue
+            r = a // L
+            ctx, endings = x[r][seg[r] == 0], [x[r][seg[r] == i] for i in range(1, 5)]
+            key = (tuple(ctx.tolist()), tuple(tuple(t.tolist()) for t in endings))
+            assert order.setdefault(k // 4, index[key]) == index[key]
+    assert sorted(order) == list(range(len(labels)))
+    found = [order[k] for k in range(len(labels))]
+    assert [examples[j]["label"] for j in found] == labels.tolist()
+    return found
 
 
 def brute_forced(hf, examples):
-    """brute_force's (sum, mean) loss of every ending, sorted by sum, and the counts it gives."""
+    """brute_force's (sum, mean) loss of each example's 4 endings, (n, 4), and the counts it gives."""
     ref = [brute_force(hf, e) for e in examples]
-    sums, means = torch.cat([s for s, _ in ref]), torch.cat([m for _, m in ref])
+    sums, means = torch.stack([s for s, _ in ref]), torch.stack([m for _, m in ref])
     counts = [len(examples), sum(int(s.argmin() == e["label"]) for (s, _), e in zip(ref, examples)),
               sum(int(m.argmin() == e["label"]) for (_, m), e in zip(ref, examples))]
-    order = sums.argsort()
-    return sums[order], means[order], counts
+    return sums, means, counts
+
+
+def assert_as_brute_force(ours, hf, examples, batches):
+    """Example by example, every ending's summed and mean loss as build-nanogpt's scoring with HF's
+    model gives it, and the same counts, for each (batch_examples, one_shape) in batches; and dealt
+    to 3 ranks, the ranks' examples are all the examples, each once, scored alike."""
+    ref_sums, ref_means, ref_counts = brute_forced(hf, examples)
+    for batch, one_shape in batches:
+        sums, means, order, counts = losses_of(ours, examples, batch, one_shape)
+        assert sorted(order) == list(range(len(examples))), (batch, one_shape)
+        assert torch.allclose(sums, ref_sums[order], atol=1e-4), (batch, one_shape)
+        assert torch.allclose(means, ref_means[order], atol=1e-5), (batch, one_shape)
+        assert counts == ref_counts, (batch, one_shape)
+    parts = [losses_of(ours, examples, 2, False, rank=r, world=3) for r in range(3)]
+    assert sorted(j for _, _, order, _ in parts for j in order) == list(range(len(examples)))
+    for sums, means, order, _ in parts:
+        assert torch.allclose(sums, ref_sums[order], atol=1e-4)
+        assert torch.allclose(means, ref_means[order], atol=1e-5)
+    assert [sum(c) for c in zip(*(counts for *_, counts in parts))] == ref_counts
 
 
 def test_batched_equals_one_at_a_time_equals_hf(hf_and_ours):
     """Every ending's loss and the counts, batched any way, with one shape (the compiled eval's
-    padding) or not, equal build-nanogpt's scoring with HF's model, one example at a time."""
+    padding) or not, on one rank or dealt to 3, equal build-nanogpt's scoring with HF's model, one
+    example at a time, example by example."""
     hf, ours = hf_and_ours
-    examples = make_examples(40)
-    ref_sums, ref_means, ref_counts = brute_forced(hf, examples)
-    for batch, one_shape in ((1, False), (7, False), (40, False), (7, True)):
-        sums, means, counts = losses_of(ours, examples, batch, one_shape)
-        assert torch.allclose(sums, ref_sums, atol=1e-4) and torch.allclose(means, ref_means, atol=1e-5)
-        assert counts == ref_counts, (batch, one_shape)
-    # ranks deal the examples in turn: the parts add up to the whole
-    parts = [losses_of(ours, examples, 7, False, rank=r, world=3)[2] for r in range(3)]
-    assert [sum(c) for c in zip(*parts)] == ref_counts
+    assert_as_brute_force(ours, hf, make_examples(40),
+                          ((1, False), (7, False), (40, False), (7, True), (3, True)))
 
 
-def test_shared_contexts_of_any_length(hf_and_ours, enc):
-    """The shared context's corner cases against brute force: two examples with the same context,
-    an empty context (the ending's first token is not scored, as in build-nanogpt), one-token
-    endings (scored from the context's last position alone), endings that share their first words,
-    contexts of very different lengths in one batch, and any batch size."""
+def test_packed_rows_of_any_shape(hf_and_ours, enc):
+    """The packed row's corner cases against brute force, example by example: two examples with the
+    same context, an empty context (the ending's first token is not scored, as in build-nanogpt,
+    and the endings start at position 0), one-token endings (scored from the context's last position
+    alone), endings that share their first words, and rows of very different lengths in one batch,
+    at any batch size, with one shape or not."""
     hf, ours = hf_and_ours
     assert len(enc.encode(" a")) == 1
     long_ctx = " ".join(WORDS * 2)
@@ -132,38 +181,40 @@ def test_shared_contexts_of_any_length(hf_and_ours, enc):
                 dict(ctx="", label=2, endings=["a man walks", "the dog holds", "then up", "a ball kitchen"]),
                 dict(ctx=long_ctx, label=3, endings=["a", "to walk the dog", "a ball", "holds a camera up"]),
                 dict(ctx="the woman then", label=0, endings=["walks", "a dog", "smiles", "is seen up"])]
-    ref_sums, ref_means, ref_counts = brute_forced(hf, examples)
-    for batch in (1, 2, 16):
-        sums, means, counts = losses_of(ours, examples, batch)
-        assert torch.allclose(sums, ref_sums, atol=1e-4) and torch.allclose(means, ref_means, atol=1e-5)
-        assert counts == ref_counts, batch
+    assert_as_brute_force(ours, hf, examples, ((1, False), (2, False), (16, False), (2, True), (16, True)))
 
 
 def test_bf16_forward_float32_loss(hf_and_ours):
     _, ours = hf_and_ours
-    s32, _, _ = losses_of(ours, make_examples(8, seed=1))
-    s16, _, _ = losses_of(ours, make_examples(8, seed=1), dtype="bfloat16")
+    s32, _, order32, _ = losses_of(ours, make_examples(8, seed=1))
+    s16, _, order16, _ = losses_of(ours, make_examples(8, seed=1), dtype="bfloat16")
+    assert order16 == order32
     assert s16.dtype == torch.float32 and torch.allclose(s16, s32, rtol=0.05)
 
 
-def test_long_examples_lose_context_from_the_left(hf_and_ours, capsys):
+def test_long_examples_lose_context_from_the_left(hf_and_ours, capsys, enc):
+    """An example longer than block_size keeps the last tokens of its context that leave room for
+    its longest ending: each ending is scored as that context, then the ending, in one sequence
+    within block_size; one line says how many examples lost tokens."""
     _, ours = hf_and_ours  # block_size 64
-    e = make_examples(1)[0]
-    e["ctx"] = " ".join(["kitchen"] * 100)
-    tokens, mask, label = render_example(e)
+    e = dict(make_examples(1)[0], ctx=" ".join(["kitchen"] * 100),
+             endings=["a man", "the dog is seen to walk then smiles", "up", "a woman holds the camera up"])
+    tokens, _, _ = render_example(e)
     assert tokens.size(1) > 64
-    s, _, (n, _, _) = losses_of(ours, [e])
+    s, _, _, (n, _, _) = losses_of(ours, [e])
     assert n == 1
     said = "1 examples are longer than block_size=64: their contexts lose tokens from the left"
     assert said in capsys.readouterr().out
+    ctx, endings = enc.encode(e["ctx"]), [enc.encode(" " + ending) for ending in e["endings"]]
+    keep = 64 - max(map(len, endings))
+    assert len(set(map(len, endings))) == 4 and 0 < keep < len(ctx)
     want = []
-    with torch.no_grad():  # the same as scoring the last 64 tokens of each row
-        for t, m in zip(tokens, mask):
-            end = int(m.nonzero()[-1]) + 1
-            row, n_end = t[end - 64:end], int(m.sum())
+    with torch.no_grad():  # the context's last `keep` tokens, then the ending, through the plain forward
+        for ending in endings:
+            row = torch.tensor(ctx[-keep:] + ending)
             logits, _ = ours(row[None])
-            want.append(F.cross_entropy(logits[0, -n_end - 1:-1], row[-n_end:], reduction="sum"))
-    assert torch.allclose(s, torch.stack(want).sort().values, atol=1e-4)
+            want.append(F.cross_entropy(logits[0, keep - 1:-1], row[keep:], reduction="sum"))
+    assert torch.allclose(s[0], torch.stack(want), atol=1e-4), (s, want)
 
 
 def test_the_compiled_eval_counts_as_the_eager_one(hf_and_ours):
@@ -175,7 +226,7 @@ def test_the_compiled_eval_counts_as_the_eager_one(hf_and_ours):
     eager = hellaswag.evaluate(ours, hellaswag.prepare(examples, 64, "cpu", 5))
     torch._dynamo.reset()
     prepared = hellaswag.prepare(examples, 64, "cpu", 5, one_shape=True)
-    assert len({(tuple(x.shape), tuple(at.shape)) for _, [(_, x, at)], _, _ in prepared[0]}) == 1
+    assert len({(tuple(x.shape), tuple(at.shape)) for x, _, _, at, _, _ in prepared[0]}) == 1
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = hellaswag.evaluate(ours, prepared, compile=True)
     assert compiled.tolist() == eager.tolist()
@@ -253,7 +304,7 @@ def test_standalone_cli(tmp_path, hf_and_ours):
     examples = make_examples(20, seed=7)
     write_file(tmp_path / "h.jsonl", examples)
     hf.save_pretrained(tmp_path / "hfdir")
-    _, _, (n, c, cn) = losses_of(ours, examples[:15])
+    *_, (n, c, cn) = losses_of(ours, examples[:15])
     want = f"acc: {c / n:.4f} acc_norm: {cn / n:.4f}"
     torch.save({"model": ours.state_dict(), "config": ours.config.__dict__}, tmp_path / "model_00001.pt")
     def run(*args):
@@ -322,7 +373,9 @@ def test_onednn_routing_is_undone_on_the_way_out():
 
 
 EVAL_PROBE = """
-import sys, torch, hellaswag, train_gpt2
+import os, runpy, sys, torch, hellaswag
+ROOT = __ROOT__
+from gptkit.shards import DataLoaderLite
 from torch.overrides import TorchFunctionMode
 T = torch.Tensor
 READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.cpu, T.numpy}
@@ -337,17 +390,20 @@ class Count(TorchFunctionMode):  # host reads, and ops whose output's size depen
         if func in READS or func in DATA_SIZED or by_mask:
             self.seen.append(func.__name__)
         return func(*args, **(kwargs or {}))
-mode, evaluate, step = Count(), hellaswag.evaluate, train_gpt2.train_step
-def counting(*a, **k):  # from the eval's first forward...
+mode, evaluate, next_batch = Count(), hellaswag.evaluate, DataLoaderLite.next_batch
+def counting(*a, **k):  # from the first eval's first forward...
+    hellaswag.evaluate = evaluate
     mode.__enter__()
     return evaluate(*a, **k)
-def stop(*a, **k):  # ...to the next training step
-    mode.__exit__(None, None, None)
-    print(f"from HellaSwag to the next step: {Count.seen}", flush=True)
-    train_gpt2.train_step = step
-    return step(*a, **k)
-hellaswag.evaluate, train_gpt2.train_step = counting, stop
-train_gpt2.main(sys.argv[1:])
+def stop(self):  # ...to the next training step's first batch
+    if hellaswag.evaluate is evaluate:  # the eval has run
+        mode.__exit__(None, None, None)
+        print(f"from HellaSwag to the next step: {Count.seen}", flush=True)
+        DataLoaderLite.next_batch = next_batch
+    return next_batch(self)
+hellaswag.evaluate, DataLoaderLite.next_batch = counting, stop
+sys.argv[0] = os.path.join(ROOT, 'train_gpt2.py')
+runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
@@ -355,9 +411,9 @@ def test_the_trainers_hellaswag_eval_reads_the_host_once_whatever_its_size(tmp_p
     """Issue 36.1: from the HellaSwag eval's first forward to the next training step, the host reads
     as many values, and runs as many ops whose output's size depends on the data, with 16 examples
     as with 64, one example a batch: the counts are read once, after the all-reduce."""
-    import sys
-    from conftest import ROOT, TINY, random_shards
+    from conftest import ROOT, TINY, random_shards, run_script
     data = random_shards(tmp_path / "data", 7, 600, [2000, 2000])
+    (tmp_path / "probe.py").write_text(EVAL_PROBE.replace("__ROOT__", repr(ROOT)))
     seen = {}
     for n in (16, 64):
         hella = tmp_path / f"{n}.jsonl"
@@ -365,9 +421,11 @@ def test_the_trainers_hellaswag_eval_reads_the_host_once_whatever_its_size(tmp_p
         args = [*TINY, f"--data_root={data}", f"--log_dir={tmp_path / str(n)}", "--B=2", "--T=32",
                 "--total_batch_size=64", "--max_steps=1", "--eval_interval=1", "--val_tokens=128",
                 "--sample_interval=0", "--checkpoint_interval=0", f"--hellaswag_file={hella}"]
-        r = forked.run([sys.executable, "-c", EVAL_PROBE, *args], cwd=ROOT, capture_output=True, text=True,
-                       env=one_thread())
+        r = run_script(args, script=str(tmp_path / "probe.py"), PYTHONPATH=ROOT)
         assert r.returncode == 0, r.stderr
         assert "hellaswag acc_norm " in r.stdout and f"/{n} = " in r.stdout, r.stdout
+        assert r.stdout.count("from HellaSwag to the next step: ") == 1, r.stdout
         seen[n] = re.search(r"from HellaSwag to the next step: (.*)", r.stdout).group(1)
+        # the probe sat between step 0's eval and step 0's update, which came after it
+        assert r.stdout.index("from HellaSwag") < r.stdout.index("step     0 | loss"), r.stdout
     assert seen[16] == seen[64] == "['tolist']", seen  # the counts, after the all-reduce

@@ -179,7 +179,8 @@ def after_update(step):
     with unseen():
         while hooks:
             hooks.pop().remove()
-        say(f"rank {rank} step {step} weights and optimizer state unchanged: {bitwise_equal(before, tensors())}")
+        same = bitwise_equal(before, tensors())
+        say(f"rank {rank} step {step} weights and optimizer state unchanged: {same}")
         n, of = storages()
         say(f"rank {rank} step {step} gradient storages after the synced micro-step: {n} of {of} gradients")
 
