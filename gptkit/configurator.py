@@ -8,7 +8,7 @@ A config file is Python that assigns some of the constants (it may read the othe
 max_steps = 2 * warmup_steps), and it runs as code: use only files you trust. --key=value takes
 a Python literal, or the text as typed for a string constant. Both are applied in the order
 given, and each value must keep its default's type (an int is fine for a float; an "auto"
-default also takes True/False, and B a number: AUTO_OR). An unknown key is an error that names
+default also takes True/False, and B "auto": AUTO_OR). An unknown key is an error that names
 the closest valid ones.
 """
 import ast
@@ -29,7 +29,7 @@ NANOGPT_NAMES = {'learning_rate': 'max_lr', 'max_iters': 'max_steps', 'lr_decay_
                  'eval_iters': 'val_tokens', 'sample_every': 'sample_interval', 'eval_every': 'eval_interval'}
 
 TRAINER = os.path.join(os.path.dirname(__file__), '..', 'train_gpt2.py')  # its constants: what --help shows
-AUTO_OR = {'B': int}  # an "auto" default takes a bool (--compile=False) or a value of this type: --B=16
+AUTO_OR = {'B': int}  # "auto" or a value of this type: --B=16, --B=auto
 
 
 def parse_config(argv, defaults, doc=""):
@@ -40,9 +40,11 @@ def parse_config(argv, defaults, doc=""):
         sys.exit(0)
     config = dict(defaults)
 
-    def fits(key, value):  # the default's type; an "auto" default also takes a bool, or AUTO_OR's type
+    def fits(key, value):  # the default's type; an "auto" default also takes a bool; B: a number or "auto"
         default = defaults[key]
-        return type(value) is type(default) or default == 'auto' and type(value) in (bool, AUTO_OR.get(key))
+        if key in AUTO_OR:
+            return value == 'auto' or type(value) is AUTO_OR[key]
+        return type(value) is type(default) or default == 'auto' and type(value) is bool
 
     def set_key(key, value, source):
         if key not in config:  # for a name of nanoGPT's, ours first: what its users type

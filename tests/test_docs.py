@@ -38,11 +38,12 @@ def references(text):
 
 
 def test_resolver_tells_real_names_from_stale_ones():
-    trainer = os.path.join(ROOT, "train_gpt2.py")
-    assert defines(trainer, "train_step") and defines(trainer, "total_batch_size")
-    assert defines(trainer, "DataLoaderLite") and defines(trainer, "DataLoaderLite.next_batch")
-    assert not defines(trainer, "no_such_function") and not defines(trainer, "DataLoaderLite.no_such_method")
-    assert not defines(trainer, "train_step.x")  # a function has no members here
+    trainer, shards = os.path.join(ROOT, "train_gpt2.py"), os.path.join(ROOT, "gptkit", "shards.py")
+    assert defines(trainer, "get_lr") and defines(trainer, "total_batch_size")
+    assert defines(shards, "DataLoaderLite") and defines(shards, "DataLoaderLite.next_batch")
+    assert not defines(trainer, "no_such_function") and not defines(shards, "DataLoaderLite.no_such_method")
+    assert not defines(trainer, "train_step") and not defines(trainer, "DataLoaderLite")  # gone, or moved
+    assert not defines(trainer, "get_lr.x")  # a function has no members here
     assert not defines(os.path.join(ROOT, "no_such_file.py"), "main")
     found = references("see `model.py:GPT.forward` and `a/b.py:c`, not file.py:x")
     assert found == [("model.py", "GPT.forward"), ("a/b.py", "c")]
@@ -229,17 +230,16 @@ def test_fsdp_memory_table_matches_a_count():
     """Issue 21.11: docs/fsdp.md's activations per preset are what autograd saves for one
     micro-batch at the B that "auto" takes on 8 GPUs of 80 GB (bf16 autocast, the CPU's loss,
     counted on fake tensors by memory.activations: no memory used)."""
-    from gptkit.configurator import parse_config
+    from gptkit.configurator import parse_config, trainer_defaults
     from gptkit import memory
-    import train_gpt2
     from model import GPTConfig
     table = {m.group(1): (int(m.group(2)), float(m.group(3))) for m in
              re.finditer(r"\| `(gpt2_\w+)\.py` \| (\d+) \| ([\d.]+) GB \|", read("docs", "fsdp.md"))}
     assert len(table) == 4, table
     for preset, (B, gb) in table.items():
-        c = parse_config([os.path.join(ROOT, "config", preset + ".py")], train_gpt2.DEFAULTS)
+        c = parse_config([os.path.join(ROOT, "config", preset + ".py")], trainer_defaults())
         shape = GPTConfig.from_dict(c)
-        on_gpu = dict(c, dtype="bfloat16", compile=True)
+        on_gpu = dict(c, B="auto", dtype="bfloat16", compile=True)  # the preset's own B aside
         assert memory.micro_batch(on_gpu, shape, "cuda", 8, free=80e9)[0] == B, preset
         fixed, per_seq = memory.activations(shape, c["T"], "bfloat16", "cpu", compiled=False)  # CPU's loss
         total = fixed + B * per_seq  # = the count of the whole forward, to 0.5% (test_memory.py)
@@ -267,12 +267,11 @@ def test_planning_figures_have_one_home_and_agree():
     target (recipes.md) likewise."""
     import torch
     import plot
-    import train_gpt2
-    from gptkit.configurator import parse_config
+    from gptkit.configurator import parse_config, trainer_defaults
     from gptkit.hardware import GPU_PEAK_FLOPS
     from model import GPT, GPTConfig, flops_per_token
     bench, readme = flat(read("docs", "benchmarks.md")), read("README.md")
-    c = parse_config([os.path.join(ROOT, "config", "gpt2_124M.py")], train_gpt2.DEFAULTS)
+    c = parse_config([os.path.join(ROOT, "config", "gpt2_124M.py")], trainer_defaults())
     fpt, peak = flops_per_token(GPTConfig.from_dict(c), c["T"]), GPU_PEAK_FLOPS["H200"]
 
     def figure(pattern, text=bench):

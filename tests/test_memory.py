@@ -1,7 +1,7 @@
-"""Issue 29: B = "auto" and running out of memory. memory.py's estimate against a count on fake
-tensors and a measured peak; its choices against docs/fsdp.md's table; every rank takes the least;
-an out-of-memory error anywhere is one line that names the B that fits, the checkpoint before it
-stands, and the same command with that B resumes."""
+"""Issue 29: B = "auto" (opt-in: --B=auto) and running out of memory. memory.py's estimate against a
+count on fake tensors and a measured peak; its choices against docs/fsdp.md's table; every rank takes
+the least; an out-of-memory error anywhere is one line (with B="auto", naming the B to use instead),
+the checkpoint before it stands, and the same command with a smaller B resumes."""
 import glob
 import json
 import os
@@ -12,13 +12,13 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY, random_shards, read_log
-from test_step import launch
+from conftest import ROOT, TINY, random_shards, read_log, run_script
 
 from gptkit import memory
-import train_gpt2
-from gptkit.configurator import parse_config
+from gptkit.configurator import parse_config, trainer_defaults
 from model import GPTConfig
+
+DEFAULTS = trainer_defaults()  # train_gpt2.py's constants (importing the script would run it)
 
 SHAPES = [  # (n_layer, n_head, n_embd, vocab_size, T, B, dtype): wide and narrow, deep and shallow
     (2, 4, 256, 50304, 256, 4, "float32"), (4, 6, 384, 50304, 256, 8, "bfloat16"),
@@ -90,7 +90,7 @@ def test_the_choices_are_the_docs_table():
     rows = re.findall(r"^\| `(gpt2_\w+)\.py` \| ((?:[\d-]+ \| ){11}[\d-]+) \|$", text, re.M)
     assert len(rows) == 4, rows
     for preset, cells in rows:
-        c = parse_config([os.path.join(ROOT, "config", preset + ".py")], train_gpt2.DEFAULTS)
+        c = parse_config([os.path.join(ROOT, "config", preset + ".py"), "--B=auto"], DEFAULTS)
         picks = []
         for parallel in ("ddp", "fsdp"):
             for compiled in (True, False):
@@ -102,9 +102,11 @@ def test_the_choices_are_the_docs_table():
 
 
 def test_on_the_cpu_auto_keeps_the_demo_preset():
-    """config/demo_cpu.py sets no B: "auto" takes all 16 sequences of a step (the B it had) in one
-    micro-batch on any CPU with the 1 GB or so it needs, and half on 2 processes."""
-    c = parse_config([os.path.join(ROOT, "config", "demo_cpu.py")], train_gpt2.DEFAULTS)
+    """config/demo_cpu.py sets B=16, all 16 sequences of a step in one micro-batch; --B=auto picks
+    the same on any CPU with the 1 GB or so it needs, and half on 2 processes."""
+    c = parse_config([os.path.join(ROOT, "config", "demo_cpu.py")], DEFAULTS)
+    assert c["B"] == 16 and c["total_batch_size"] == 16 * c["T"]
+    c = parse_config([os.path.join(ROOT, "config", "demo_cpu.py"), "--B=auto"], DEFAULTS)
     assert c["B"] == "auto"
     for world, B in ((1, 16), (2, 8)):
         run = dict(c, dtype="float32", compile=False)
@@ -123,7 +125,7 @@ def data(tmp_path_factory):
 
 def free_for(B, world=1, extra=()):
     """Free bytes where the tiny model fits B but not the next B up (on world processes)."""
-    c = parse_config([*COMMON, *extra], train_gpt2.DEFAULTS)
+    c = parse_config([*COMMON, "--B=auto", *extra], DEFAULTS)
     bytes_at = memory.estimate(GPTConfig.from_dict(c), 16, "float32", "cpu", False, world)
     return int(bytes_at(B) / memory.HEADROOM) + 1
 
@@ -131,41 +133,52 @@ def free_for(B, world=1, extra=()):
 # the trainer with the device's free memory as FREE_<rank> says, and an out-of-memory error (or a
 # crash, os._exit) where FAULT says: in a step's forward from step 3 on, or at the step-4 evals
 FAULTY = """
-import os, sys, torch
-import train_gpt2
+import os, runpy, sys, torch
 from gptkit import memory
+from gptkit.shards import DataLoaderLite
 from model import GPT
+ROOT = __ROOT__
 rank = os.environ.get('RANK', '0')
 if os.environ.get('FREE_' + rank):
     memory.free_and_total = lambda device: (int(os.environ['FREE_' + rank]),) * 2
 fault, steps = os.environ.get('FAULT', ''), [0]
-step = train_gpt2.train_step
-def counting(*a, **k):
-    steps[0] += 1
-    return step(*a, **k)
-train_gpt2.train_step = counting
+next_batch = DataLoaderLite.next_batch
+def counting(self):  # a training step starts with its first micro-batch
+    steps[0] += self.micro == 0
+    return next_batch(self)
+DataLoaderLite.next_batch = counting
 hidden = GPT.hidden_states
-def faulty(self, idx, kv_cache=None, *a, **k):  # HellaSwag's: a prompt's KV cache shared by its endings
-    phase = 'train' if torch.is_grad_enabled() else 'hella' if kv_cache is not None else 'val'
+def faulty(self, idx, *a, **k):  # HellaSwag's packed rows come with their own positions
+    pos = k.get('pos', a[2] if len(a) > 2 else None)
+    phase = 'train' if torch.is_grad_enabled() else 'hella' if pos is not None else 'val'
     real = not isinstance(idx, torch._subclasses.fake_tensor.FakeTensor)  # not memory.py's count
     # the 4th step (step 3), or the evals after it (step 4)
     if real and fault.endswith(phase) and steps[0] >= 4:
         if fault.startswith('crash'):
             os._exit(1)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected)")
-    return hidden(self, idx, kv_cache, *a, **k)
+    return hidden(self, idx, *a, **k)
 GPT.hidden_states = faulty
-train_gpt2.main(sys.argv[1:])
-"""
+sys.argv[0] = os.path.join(ROOT, 'train_gpt2.py')
+runpy.run_path(sys.argv[0], run_name='__main__')
+""".replace("__ROOT__", repr(ROOT))
+
+
+def launch(tmp_path, args, nproc, env):
+    """FAULTY run as a user runs train_gpt2.py: torchrun with nproc processes, or plain python
+    (nproc None)."""
+    (tmp_path / "faulty.py").write_text(FAULTY)
+    return run_script(args, nproc=nproc, script=str(tmp_path / "faulty.py"), PYTHONPATH=ROOT, **env)
 
 
 def test_every_rank_takes_the_least(data, tmp_path):
-    """2 processes over gloo, rank 1 told it has room for B=2 only, rank 0 for all of its share (4):
-    both train with B=2 (2 micro-steps), rank 0 says why, and run.json records B=2 and the line."""
+    """--B=auto on 2 processes over gloo, rank 1 told it has room for B=2 only, rank 0 for all of its
+    share (4): both train with B=2 (2 micro-steps), rank 0 says why, and run.json records B=2 and the
+    line."""
     log_dir = tmp_path / "log"
     env = {"FREE_0": str(10 ** 11), "FREE_1": str(free_for(2, world=2))}
-    r = launch(FAULTY, tmp_path, [*COMMON, f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=2",
-                                  "--hellaswag=False"], 2, env)
+    r = launch(tmp_path, [*COMMON, f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=2",
+                          "--hellaswag=False", "--B=auto"], 2, env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "grad_accum_steps=2" in r.stdout and "B=2 (auto): " in r.stdout, r.stdout[-3000:]
     assert "another rank has less free memory (B=4 fits here)" in r.stdout, r.stdout[-3000:]
@@ -177,46 +190,64 @@ def newest_checkpoint(log_dir):
     return os.path.basename(sorted(glob.glob(str(log_dir / "model_*.pt")))[-1])
 
 
-@pytest.mark.parametrize("fault, phase", [("train", "the training step"), ("val", "the val loss"),
-                                          ("hella", "HellaSwag")])
-def test_out_of_memory_is_one_line_and_the_checkpoint_before_it_resumes(data, tmp_path, fault, phase):
-    """An out-of-memory error in the step, the val loss or HellaSwag (injected, at B=4 where the
-    estimate says B=2 fits): one line that names the phase, the B and the B to use, no traceback,
-    exit 1, step 2's checkpoint the newest. The same command with --B=2 resumes from it; in the
-    step, exactly as it does after a crash at the same point (os._exit: nothing written after it)."""
+# the one line for each B: a number (nothing was counted), or "auto" (the count said B=4 fits)
+OUT_OF_MEMORY = {
+    "4": r"error: out of memory at B=4 on the device: lower B, or free the device's memory \(the last "
+         r"checkpoint stands\)\n",
+    "auto": r"error: out of memory at B=4 on cpu \(.*\): the estimate said B=4 fits, so try B=2: run the "
+            r"same command with --B=2 \(the last checkpoint stands\)\n"}
+
+
+@pytest.mark.parametrize("B", ["4", "auto"])
+@pytest.mark.parametrize("fault", ["train", "val", "hella"])
+def test_out_of_memory_is_one_line_and_the_checkpoint_before_it_resumes(data, tmp_path, fault, B):
+    """An out-of-memory error (injected) in the step, the val loss or HellaSwag, at B=4 (--B=4, or
+    --B=auto where the estimate says B=4 fits): one line that names the B (and with "auto" the B to
+    use), no traceback, exit 1, step 2's checkpoint the newest. The same command with --B=2 resumes
+    from it; in the step, exactly as it does after a crash at the same point (os._exit: nothing
+    written after it)."""
     hella = tmp_path / "hellaswag.jsonl"
     import hellaswag
     hellaswag.write_synthetic(str(hella), 6)
     runs, vocab = {}, ["--vocab_size=50304"] if fault == "hella" else []  # HellaSwag needs GPT-2's tokens
-    for kind in ("oom", "crash") if fault == "train" else ("oom",):
+    free = {"FREE_0": str(free_for(4, extra=vocab))}  # B="auto" takes 4, not 8
+    for kind in ("oom", "crash") if fault == "train" and B == "4" else ("oom",):
         log_dir = tmp_path / kind
         args = [*COMMON, f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=4", "--eval_interval=2",
                 "--checkpoint_interval=2", f"--hellaswag={fault == 'hella'}", f"--hellaswag_file={hella}",
-                "--B=4", *vocab]
-        env = {"FREE_0": str(free_for(2, extra=vocab)), "FAULT": ("" if kind == "oom" else "crash-") + fault}
-        r = launch(FAULTY, tmp_path, args, None, env)
+                f"--B={B}", *vocab]
+        r = launch(tmp_path, args, None, dict(free, FAULT=("" if kind == "oom" else "crash-") + fault))
         assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
+        assert "grad_accum_steps=2" in r.stdout, r.stdout[-2000:]  # B=4 however it came
+        assert ("B=4 (auto): " in r.stdout) == (B == "auto"), r.stdout[-2000:]
         assert newest_checkpoint(log_dir) == "model_00002.pt", r.stdout[-2000:] + r.stderr[-3000:]
         if kind == "oom":
             assert "Traceback" not in r.stderr, r.stderr[-3000:]
-            assert re.fullmatch(rf"error: out of memory in {phase} at B=4 on cpu \(.*\): B=2 fits by the "
-                                r"estimate: run the same command with --B=2 \(the last checkpoint stands\)\n",
-                                r.stderr), r.stderr
-        r = launch(FAULTY, tmp_path, [*args, "--B=2"], None, {"FREE_0": str(free_for(2, extra=vocab))})
+            assert re.fullmatch(OUT_OF_MEMORY[B], r.stderr), r.stderr
+        r = launch(tmp_path, [*args, "--B=2"], None, free)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "resuming from" in r.stdout and "model_00002.pt" in r.stdout, r.stderr[-3000:]
+        assert "grad_accum_steps=4" in r.stdout, r.stdout[-2000:]
         runs[kind] = (read_log(log_dir), torch.load(log_dir / "model_00004.pt", weights_only=True)["model"])
     log, model = runs["oom"]
     assert sorted(log["train"]) == [0, 1, 2, 3], log
-    if fault == "train":  # the same log and weights as after a crash at the same point
+    if "crash" in runs:  # the same log and weights as after a crash at the same point
         crash_log, crash_model = runs["crash"]
         assert log == crash_log
         assert all(torch.equal(model[k], crash_model[k]) for k in model)
 
 
-def test_bad_B_is_one_line():
+def test_bad_B_is_one_line(tmp_path):
+    """B is a number of sequences or "auto" (opt-in); anything else is one line, from parse_config
+    and from the script as a user runs it (exit 1, no traceback)."""
     from gptkit.common import UserError
+    assert DEFAULTS["B"] == 64 and parse_config(["--B=auto"], DEFAULTS)["B"] == "auto"
+    assert parse_config(["--B=8"], DEFAULTS)["B"] == 8
     with pytest.raises(UserError, match=r"config key 'B' must be 'auto' or a number of sequences, got 'big'"):
-        parse_config(["--B=big"], train_gpt2.DEFAULTS)
+        parse_config(["--B=big"], DEFAULTS)
     with pytest.raises(UserError, match=r"config key 'B' must be positive, got 0"):
-        parse_config(["--B=0"], train_gpt2.DEFAULTS)
+        parse_config(["--B=0"], DEFAULTS)
+    r = run_script([*TINY, "--B=big", f"--log_dir={tmp_path / 'log'}"])
+    assert r.returncode == 1 and r.stderr == ("error: config key 'B' must be 'auto' or a number of "
+                                              "sequences, got 'big'\n"), r.stderr
+    assert not (tmp_path / "log").exists()

@@ -40,9 +40,36 @@ def state_mib(out):
     return float(re.search(r"parameters, gradients and optimizer state per rank: ([\d.]+) MiB", out).group(1))
 
 
+# The trainer, with each FSDP unit that torch's fully_shard makes said on stdout (the module, and the
+# processes that share it): the run itself is the trainer's, as torchrun would run it.
+SHARD_PROBE = """
+import os, runpy, sys, torch.distributed as dist, torch.distributed.fsdp as fsdp
+fully_shard = fsdp.fully_shard
+def probe(module, *a, **k):
+    print(f"probe: fully_shard {{type(module).__name__}} over {{dist.get_world_size()}}", flush=True)
+    return fully_shard(module, *a, **k)
+fsdp.fully_shard = probe  # before gptkit/fsdp.py imports it
+sys.argv[0] = os.path.join({root!r}, 'train_gpt2.py')
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def shard_probe(tmp_path):
+    (tmp_path / "shard_probe.py").write_text(SHARD_PROBE.format(root=ROOT))
+    return str(tmp_path / "shard_probe.py")
+
+
+def units(out, world):
+    """Whether out says FSDP sharded 3 units (2 blocks and the rest of the GPT) over world processes,
+    on each of them."""
+    found = sorted(re.findall(r"probe: fully_shard (\w+) over (\d+)", out))
+    return found == sorted([("Block", str(world))] * 2 * world + [("GPT", str(world))] * world)
+
+
 def run_two(data, tmp_path_factory, parallel):
     log_dir = tmp_path_factory.mktemp(parallel)
-    r = run_script(args(data, log_dir, f"--parallel={parallel}"), nproc=2)
+    probe = shard_probe(tmp_path_factory.mktemp(f"{parallel}_probe"))
+    r = run_script(args(data, log_dir, f"--parallel={parallel}"), nproc=2, script=probe, PYTHONPATH=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     return log_dir, r.stdout + r.stderr  # errors and tracebacks go to stderr: the checks below read both
 
@@ -71,17 +98,20 @@ def test_fsdp_matches_ddp(ddp2, fsdp2):
     assert ckpt(ddp_dir)["model"].keys() == ckpt(fsdp_dir)["model"].keys()  # one checkpoint format
     assert state_mib(fsdp_out) <= 0.6 * state_mib(ddp_out), (state_mib(fsdp_out), state_mib(ddp_out))
     assert re.search(r"error|Traceback", fsdp_out) is None
-    assert "fsdp: 3 units, each sharded over 2 process(es)" in fsdp_out and "fsdp:" not in ddp_out
+    assert units(fsdp_out, world=2) and "fully_shard" not in ddp_out, (fsdp_out, ddp_out)
 
 
 def test_fsdp_on_one_process_is_the_plain_run(data, tmp_path):
     """parallel="fsdp" under torchrun with one process: one shard each (gpu_check.py's way to run
     FSDP on one GPU), and the same run as plain python's."""
-    r = run_script(args(data, tmp_path / "fsdp1", "--parallel=fsdp", f"--max_steps={STEPS // 2}"), nproc=1)
+    probe = shard_probe(tmp_path)
+    r = run_script(args(data, tmp_path / "fsdp1", "--parallel=fsdp", f"--max_steps={STEPS // 2}"), nproc=1,
+                   script=probe, PYTHONPATH=ROOT)
     assert r.returncode == 0, r.stderr
-    assert "fsdp: 3 units, each sharded over 1 process(es)" in r.stdout
-    plain = run_script(args(data, tmp_path / "plain", f"--max_steps={STEPS // 2}"))
-    assert plain.returncode == 0 and "fsdp:" not in plain.stdout
+    assert units(r.stdout, world=1), r.stdout
+    plain = run_script(args(data, tmp_path / "plain", f"--max_steps={STEPS // 2}"), script=probe,
+                       PYTHONPATH=ROOT)
+    assert plain.returncode == 0 and "fully_shard" not in plain.stdout, plain.stdout + plain.stderr
     a, b = read_log(tmp_path / "plain"), read_log(tmp_path / "fsdp1")
     assert a.keys() == b.keys() and all(abs(a[k][s] - b[k][s]) <= 1e-6 for k in a for s in a[k]), (a, b)
 
@@ -195,7 +225,25 @@ def test_the_tied_weight_is_gathered_and_saved_once(ddp2, fsdp2):
         assert wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr(), log_dir
 
 
-def test_the_process_group_waits_for_the_first_step_longer_than_collective_timeout(monkeypatch):
+# The trainer as rank 0 of 2 (torchrun's environment, without torchrun): the process group it asks
+# for is said on stdout, then the group's first collective gives up, as one would when the other rank
+# never comes.
+INIT_PROBE = """
+import os, runpy, sys, torch.distributed as dist
+def init_process_group(**kw):
+    print(f"probe: init_process_group {{kw['backend']}} {{kw['timeout'].total_seconds():g}}", flush=True)
+    dist.is_initialized, dist.get_rank, dist.get_world_size = lambda: True, lambda *a: 0, lambda *a: 2
+    dist.destroy_process_group = lambda *a: None
+    raise RuntimeError("Timed out waiting 42000ms for recv operation to complete")
+dist.init_process_group = init_process_group
+sys.argv[0] = os.path.join({root!r}, 'train_gpt2.py')
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+STUCK = ("error: rank 0 waited more than {} s for the other ranks: one of them is stuck or gone; the last "
+         "checkpoint stands: run the same command again to resume")
+
+
+def test_the_process_group_waits_for_the_first_step_longer_than_collective_timeout(tmp_path, monkeypatch):
     """Issue 36.4 (was 27.5, 21.12): the process group's collectives wait up to
     parallel.FIRST_STEP_TIMEOUT (at least collective_timeout) until the first training step is done,
     as ranks compile at their own pace; then, once the ranks have met, collective_timeout. Each limit
@@ -203,37 +251,35 @@ def test_the_process_group_waits_for_the_first_step_longer_than_collective_timeo
     waits in the process group's store: no second process group. test_step.py runs them on real
     processes."""
     from datetime import timedelta
-    from gptkit import parallel
-    import train_gpt2
-    seen, calls = {}, []
-    monkeypatch.setattr(parallel, "waiting", parallel.waiting)  # what the limit is called now: restored after
-    monkeypatch.setattr(train_gpt2.dist, "init_process_group", lambda **kw: seen.update(kw))
-    monkeypatch.setattr(parallel.dist, "new_group", lambda **kw: calls.append(("new_group", kw)))
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
-        monkeypatch.setenv(k, v)
-    assert train_gpt2.setup_device("cpu", collective_timeout=42) == (0, 2, "cpu")
-    assert seen["backend"] == "gloo" and seen["timeout"] == timedelta(seconds=parallel.FIRST_STEP_TIMEOUT)
+    from gptkit import checkpoint, parallel
     assert parallel.FIRST_STEP_TIMEOUT >= 3600 and parallel.WAIT_FOR_ALL_TIMEOUT >= 3600  # hours
-    train_gpt2.setup_device("cpu", collective_timeout=10 ** 5)
-    assert seen["timeout"] == timedelta(seconds=10 ** 5)
-    train_gpt2.setup_device("cpu", collective_timeout=42)
+    (tmp_path / "init.py").write_text(INIT_PROBE.format(root=ROOT))
+    for timeout, waits in ((42, parallel.FIRST_STEP_TIMEOUT), (10 ** 5, 10 ** 5)):
+        r = run_script(["--device=cpu", f"--collective_timeout={timeout}", f"--log_dir={tmp_path / 'log'}"],
+                       script=str(tmp_path / "init.py"), PYTHONPATH=ROOT, RANK="0", LOCAL_RANK="0",
+                       WORLD_SIZE="2")
+        assert f"probe: init_process_group gloo {waits}\n" in r.stdout, r.stdout + r.stderr
+        assert r.returncode == 1 and r.stderr.splitlines() == [STUCK.format(f"FIRST_STEP_TIMEOUT={waits}")], \
+            r.stderr
+    # once the first step is done (the trainer calls set_collective_timeout): the ranks meet, then the
+    # group's own timeout is lowered
+    calls = []
+    monkeypatch.setattr(parallel, "waiting", parallel.waiting)  # what the limit is called now: restored after
+    monkeypatch.setattr(parallel.dist, "new_group", lambda **kw: calls.append(("new_group", kw)))
     monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
-    stuck = RuntimeError("Timed out waiting 42000ms for recv operation to complete")
-    line = "error: rank 0 waited more than {} s for the other ranks in the val loss: one of them is stuck"
-    assert parallel.gave_up(stuck, 0, "the val loss").startswith(
-        line.format(f"FIRST_STEP_TIMEOUT={parallel.FIRST_STEP_TIMEOUT}"))
+    monkeypatch.setattr(parallel.dist, "get_rank", lambda *a: 0)
     monkeypatch.setattr(parallel.dist, "barrier", lambda: calls.append(("barrier",)))
     monkeypatch.setattr(parallel.dist.distributed_c10d, "_set_pg_timeout", lambda t: calls.append(("set", t)))
-    parallel.hold_to(42)
+    parallel.set_collective_timeout(42)
     assert calls == [("barrier",), ("set", timedelta(seconds=42))]  # no new group; the ranks met first
-    assert parallel.gave_up(stuck, 0, "the val loss").startswith(line.format("collective_timeout=42"))
+    stuck = RuntimeError("Timed out waiting 42000ms for recv operation to complete")
+    assert checkpoint.error_line(stuck, 64) == STUCK.format("collective_timeout=42")
     alone = parallel.dist.DistStoreError("wait timeout after 7200000ms, keys: /default_pg/0//wait_for_all/3")
-    assert parallel.gave_up(alone, 0, "the val loss").startswith(
-        line.format(f"WAIT_FOR_ALL_TIMEOUT={parallel.WAIT_FOR_ALL_TIMEOUT}"))
+    assert checkpoint.error_line(alone, 64) == STUCK.format(f"WAIT_FOR_ALL_TIMEOUT={parallel.WAIT_FOR_ALL_TIMEOUT}")
 
 
 FAKE_HUB = """
-import os, sys, time, torch, transformers, train_gpt2
+import os, runpy, sys, time, torch, transformers
 def from_pretrained(name, *a, **k):  # the HF hub, offline: a download into the cache (one line), or a read
     cached = os.path.join(os.environ['HF_CACHE'], name)
     if not os.path.exists(cached):
@@ -246,13 +292,14 @@ def from_pretrained(name, *a, **k):  # the HF hub, offline: a download into the 
         config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=512)
         return transformers.GPT2LMHeadModel(config)
 transformers.GPT2LMHeadModel.from_pretrained = from_pretrained
-train_gpt2.main(sys.argv[1:])
+sys.argv[0] = os.path.join(os.environ['PYTHONPATH'], 'train_gpt2.py')
+runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
 def test_init_from_gpt2_is_downloaded_by_one_rank_the_others_read_it(data, tmp_path):
     """Issue 36.5: init_from=gpt2 on 2 ranks of a node: LOCAL_RANK 0 downloads it into the node's
-    HF cache, the other waits (parallel.wait_for_all) and then reads it there, instead of every rank
+    HF cache, the other waits (in a collective) and then reads it there, instead of every rank
     downloading it at once before the first collective that needs them all. The run then trains."""
     (tmp_path / "hub.py").write_text(FAKE_HUB)
     (tmp_path / "cache").mkdir()
@@ -266,31 +313,31 @@ def test_init_from_gpt2_is_downloaded_by_one_rank_the_others_read_it(data, tmp_p
 
 
 PROBE = """
-import gc, sys
-sys.path.insert(0, {root!r})
-import train_gpt2
+import gc, os, runpy, sys
+from gptkit.shards import DataLoaderLite
 from model import GPT
-step = train_gpt2.train_step
-def probe(*a, **k):  # before every training step: how many GPT modules are alive in this process
+next_batch = DataLoaderLite.next_batch
+def probe(*a, **k):  # before every micro-batch of training: how many GPT modules are alive in this process
     print(f"live GPTs: {{sum(isinstance(o, GPT) for o in gc.get_objects())}}", flush=True)
-    return step(*a, **k)
-train_gpt2.train_step = probe
-train_gpt2.main(sys.argv[1:])
+    return next_batch(*a, **k)
+DataLoaderLite.next_batch = probe
+sys.argv[0] = os.path.join({root!r}, 'train_gpt2.py')
+runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
 def test_fsdp_eval_copy_is_gone_during_training(data, tmp_path):
     """Issue 21.1: under FSDP the evals run on a gathered copy of the whole model (4 bytes per
     parameter on every rank); between evals no copy may stay alive. Counted with the garbage
-    collector before every training step of both ranks, evals at steps 0, 4, 8, ...: one GPT (the
-    sharded one) each time."""
+    collector before every micro-batch (2 a step) of both ranks, evals at steps 0, 4, 8, ...: one GPT
+    (the sharded one) each time."""
     (tmp_path / "probe.py").write_text(PROBE.format(root=ROOT))
     run_args = args(data, tmp_path / "log", "--parallel=fsdp", "--max_steps=10", "--eval_interval=4",
                     "--checkpoint_interval=0")
-    r = run_script(run_args, nproc=2, script=str(tmp_path / "probe.py"))
+    r = run_script(run_args, nproc=2, script=str(tmp_path / "probe.py"), PYTHONPATH=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     counts = re.findall(r"live GPTs: (\d+)", r.stdout)
-    assert len(counts) == 2 * 10 and set(counts) == {"1"}, counts
+    assert len(counts) == 2 * 10 * 2 and set(counts) == {"1"}, counts
 
 
 FAKE_DOWNLOAD = """

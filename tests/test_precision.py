@@ -1,5 +1,6 @@
 """Precision chosen by the hardware (dtype="auto"), and float16 training with loss scaling: an
-overflow skips the update without counting as a bad step, and a float16 run resumes bit for bit."""
+overflow skips the update without counting as a bad step, and a float16 run resumes bit for bit.
+The faults are injected by wrapping scripts (test_step.SEAMS) that run train_gpt2.py as python does."""
 import os
 import re
 import signal
@@ -11,16 +12,48 @@ import torch
 import torch.multiprocessing as mp
 
 from gptkit import hardware
-import model
-import train_gpt2
+from gptkit.configurator import trainer_defaults
 import forked
 import test_resume
 from conftest import ROOT, one_thread, read_log, run_script
-from test_resume import INJECT, args, inject_nan, assert_same, state, wait_for_step
+from test_resume import args, assert_same, state, wait_for_step
+from test_step import wrapper
 
 data, one = test_resume.data, test_resume.one  # its fixtures: pytest finds them among this module's names too
 
 FP16 = ["--dtype=float16"]
+
+# A gradient poisoned in the given steps of a run from scratch, on every rank: lm_head's (tied to wte)
+# times FACTOR. SCALE: GradScaler's first loss scale (None: its own, 65536).
+POISON = """
+BAD, FACTOR, SCALE, hooks = {bad}, {factor}, {scale}, []
+
+
+def step_begins(step):
+    if step in BAD:
+        hooks.append(run['model'].lm_head.weight.register_hook(lambda g: g * FACTOR))
+
+
+def after_update(step):
+    while hooks:
+        hooks.pop().remove()
+
+
+if SCALE is not None:
+    init = torch.amp.GradScaler.__init__
+    torch.amp.GradScaler.__init__ = lambda self, *a, **k: init(self, *a, **dict(k, init_scale=SCALE))
+"""
+
+
+def poison_script(folder, bad, factor="float('nan')", scale=None):
+    """folder/poison.py: train_gpt2.py with the gradients of the steps in bad poisoned (POISON)."""
+    path = folder / "poison.py"
+    path.write_text(wrapper(POISON.format(bad=set(bad), factor=factor, scale=scale)))
+    return str(path)
+
+
+def inject_nan(script, cmd_args):
+    return run_script(cmd_args, script=script, PYTHONPATH=ROOT)
 
 
 def cpuinfo_has_bf16():
@@ -57,7 +90,7 @@ def _agree(rank, store_path, out_path):
     hardware.resolve_dtype = lambda dtype, device: ("bfloat16", "x") if rank == 0 else ("float32", "y")
     torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(store_path, 2), rank=rank,
                                          world_size=2)
-    c = hardware.choose_precision(dict(train_gpt2.DEFAULTS), "cpu")
+    c = hardware.choose_precision(trainer_defaults(), "cpu")
     with open(f"{out_path}.{rank}", "w") as f:
         f.write(f"{c['dtype']} {c['compile']}")
     torch.distributed.destroy_process_group()
@@ -77,45 +110,54 @@ def test_trainer_says_what_auto_chose(data, tmp_path):
     assert torch.load(tmp_path / "model_00002.pt", weights_only=True)["train_config"]["dtype"] == expected
 
 
-def tiny_step(init_scale, poison):
-    """One train_step of a tiny model in float16 with a given loss scale, its gradient poisoned."""
-    torch.manual_seed(0)
-    m = model.GPT(model.GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
-    opt = m.configure_optimizers(0.1, 1e-3, "cpu")
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+def tiny_step(data, folder, init_scale, poison):
+    """A float16 run of 2 steps from a given loss scale, step 1's gradient poisoned (True: inf; a
+    number: that many times its size): (step 1 finite, step 1 a float16 overflow, step 1 moved the
+    weights, the loss scale after it), as its output line, log.txt and checkpoints say."""
+    factor = "float('inf')" if poison is True else repr(poison)
+    folder.mkdir()
+    script = poison_script(folder, {1} if poison else set(), factor, init_scale)
+    log_dir = folder / "log"
+    r = inject_nan(script, args(data, log_dir, *FP16, "--max_steps=2", "--checkpoint_interval=1",
+                                "--eval_interval=0"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = re.findall(r"^step     1 \| loss .*$", r.stdout, re.M)
+    assert len(line) == 1, r.stdout[-3000:]
+    overflow = "| float16 overflow: update skipped, loss scale now" in line[0]
+    bad = "| non-finite: update skipped (1 in a row, max_bad_steps=5)" in line[0]
+    log = read_log(log_dir)
+    assert sorted(log["train"]) == [0, 1], log
+    assert {k: v for k, v in log.items() if k != "train"} == (  # the line and log.txt say the same
+        {"overflow": {1: init_scale / 2}} if overflow else {"skip": {1: 1.0}} if bad else {}), log
+    before, after = state(log_dir, 1), state(log_dir, 2)
+    moved = any(not torch.equal(before["model"][k], after["model"][k]) for k in before["model"])
+    if not moved:  # a skipped step: the AdamW state too, as it was
+        assert_same(before, after)
+    assert before["scaler"]["scale"] == init_scale, before["scaler"]  # step 0 was clean
+    return not (overflow or bad), overflow, moved, after["scaler"]["scale"]
 
-    class Batches:
-        def next_batch(self):
-            t = torch.randint(0, 64, (2, 9))
-            return t[:, :-1], t[:, 1:]
-    if poison:  # True: an inf gradient; a number: gradients that large
-        m.lm_head.weight.register_hook(lambda g: g * (float("inf") if poison is True else poison))
-    before = [p.detach().clone() for p in m.parameters()]
-    state = train_gpt2.TrainState(m, m, opt, scaler, Batches())
-    _, norm, ok, overflow = train_gpt2.train_step(state, 1, 1e-3, 1.0, "cpu", "float16")
-    moved = any(not torch.equal(a, p) for a, p in zip(before, m.parameters()))
-    return ok, overflow, moved, scaler.get_scale()
 
-
-def test_overflow_is_loss_scaling_not_a_bad_step():
-    assert tiny_step(2.0 ** 16, poison=False) == (True, False, True, 2.0 ** 16)
-    assert tiny_step(2.0 ** 16, poison=True) == (False, True, False, 2.0 ** 15)  # skipped, scale halved
+def test_overflow_is_loss_scaling_not_a_bad_step(data, tmp_path):
+    assert tiny_step(data, tmp_path / "clean", 2.0 ** 16, poison=False) == (True, False, True, 2.0 ** 16)
+    # skipped, scale halved
+    assert tiny_step(data, tmp_path / "inf", 2.0 ** 16, poison=True) == (False, True, False, 2.0 ** 15)
     # at a scale of 1 an overflow is no loss-scaling matter: a bad step
-    assert tiny_step(1.0, poison=True) == (False, False, False, 0.5)
+    assert tiny_step(data, tmp_path / "scale1", 1.0, poison=True) == (False, False, False, 0.5)
 
 
-def test_a_non_finite_norm_the_scaler_did_not_see_is_a_bad_step():
+def test_a_non_finite_norm_the_scaler_did_not_see_is_a_bad_step(data, tmp_path):
     """Issue 21.5: finite gradients whose norm overflows (1e30 times their size) skip the update,
     but the scaler found nothing and keeps its scale: a bad step, not a float16 overflow (which
     would never count towards max_bad_steps)."""
-    assert tiny_step(2.0 ** 16, poison=1e30) == (False, False, False, 2.0 ** 16)
+    assert tiny_step(data, tmp_path / "1e30", 2.0 ** 16, poison=1e30) == (False, False, False, 2.0 ** 16)
 
 
 @pytest.fixture(scope="module")
 def fp16(data, tmp_path_factory):
     """An uninterrupted float16 run whose step 10 overflows (a gradient poisoned with NaN)."""
     log_dir = tmp_path_factory.mktemp("fp16")
-    r = inject_nan([10], args(data, log_dir, *FP16, "--max_bad_steps=1"))
+    script = poison_script(tmp_path_factory.mktemp("fp16_script"), [10])
+    r = inject_nan(script, args(data, log_dir, *FP16, "--max_bad_steps=1"))
     assert r.returncode == 0, r.stderr
     return log_dir, r.stdout
 
@@ -138,8 +180,8 @@ def test_float16_resumes_bit_identically_after_kill9(fp16, data, tmp_path):
     ref, _ = fp16
     log_dir = tmp_path / "log"
     run_args = args(data, log_dir, *FP16, "--max_bad_steps=1")
-    p = forked.Popen([sys.executable, "-c", INJECT.format(bad={10}), *run_args],
-                     cwd=ROOT, env=one_thread(PYTHONUNBUFFERED="1"),
+    p = forked.Popen([sys.executable, poison_script(tmp_path, [10]), *run_args],
+                     cwd=ROOT, env=one_thread(PYTHONUNBUFFERED="1", PYTHONPATH=ROOT),
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for_step(log_dir, 22, p)
     os.killpg(p.pid, signal.SIGKILL)
@@ -153,7 +195,7 @@ def test_float16_resumes_bit_identically_after_kill9(fp16, data, tmp_path):
 
 
 def torchrun(script, run_args):
-    """script (train_gpt2.main, with a fault) run by torchrun with 2 processes."""
+    """script (train_gpt2.py wrapped, with a fault) run by torchrun with 2 processes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     return forked.run([*cmd, *run_args], cwd=ROOT, capture_output=True, text=True, timeout=300,
                       env=one_thread(PYTHONPATH=ROOT))
@@ -162,8 +204,7 @@ def torchrun(script, run_args):
 def test_two_processes_skip_the_same_overflow(fp16, data, tmp_path):
     """torchrun, 2 processes, the same poisoned step: the all-reduced gradients overflow on every
     rank, every rank skips it (no hang, no divergence), and the run matches the 1-process run."""
-    script = tmp_path / "inject.py"
-    script.write_text(INJECT.format(bad={10}))
+    script = poison_script(tmp_path, [10])
     r = torchrun(script, args(data, tmp_path / "log", *FP16, "--max_bad_steps=1"))
     assert r.returncode == 0, r.stderr
     one_log, two_log = read_log(fp16[0]), read_log(tmp_path / "log")
@@ -173,24 +214,31 @@ def test_two_processes_skip_the_same_overflow(fp16, data, tmp_path):
     assert state(tmp_path / "log")["scaler"] == state(fp16[0])["scaler"]
 
 
-ONE_RANK = """
-import os, sys, torch, train_gpt2
-rank, calls, step = int(os.environ['RANK']), [0], train_gpt2.train_step
-def poisoned(state, *a, **k):  # rank 1 only, step 10: NaN in the gradient of the position-0 embedding
-    poison = lambda m, i, out: out.register_hook(lambda g: torch.cat((g[:1] * float('nan'), g[1:]))) and None
-    hook = None
-    if rank == 1 and calls[0] == 10:
-        hook = state.raw_model.transformer.wpe.register_forward_hook(poison)
-    calls[0] += 1
-    try:
-        return step(state, *a, **k)
-    finally:
-        if hook: hook.remove()
-        scale = state.scaler.get_scale()
-        sys.stdout.write(f"rank {rank} step {calls[0] - 1} scale {scale:g}\\n")  # one write: whole lines
-train_gpt2.train_step = poisoned
-train_gpt2.main(sys.argv[1:])
-"""
+ONE_RANK = wrapper("""
+hooks = []
+
+
+def row_0_nan(g):
+    return torch.cat((g[:1] * float('nan'), g[1:]))
+
+
+def step_begins(step):  # rank 1 only, step 10: NaN in the gradient of the position-0 embedding
+    if rank == 1 and step == 10:
+        poison = lambda m, i, out: out.register_hook(row_0_nan) and None
+        hooks.append(run['model'].transformer.wpe.register_forward_hook(poison))
+
+
+def after_update(step):
+    while hooks:
+        hooks.pop().remove()
+
+
+update = torch.amp.GradScaler.update
+def update_and_say(self, *a, **k):  # the step's last word on the loss scale
+    update(self, *a, **k)
+    say(f"rank {rank} step {begun[0] - 1} scale {self.get_scale():g}")
+torch.amp.GradScaler.update = update_and_say
+""")
 
 
 def test_an_overflow_one_rank_sees_is_skipped_by_all(data, tmp_path):

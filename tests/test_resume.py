@@ -562,8 +562,8 @@ def test_a_checkpoint_is_the_file_written_before_issue_36(data, tmp_path):
     and a wrapper writes the state it was given the old way beside it."""
     from gptkit import checkpoint
     patch = WRITE_THE_OLD_WAY % (inspect.getsource(checksum_before_issue_36), str(tmp_path / "old"))
-    r = run_script(args(data, tmp_path / "log", *TWO_CHECKPOINTS), script=wrapper(tmp_path, "old_way.py", patch),
-                   PYTHONPATH=ROOT)
+    r = run_script(args(data, tmp_path / "log", *TWO_CHECKPOINTS), PYTHONPATH=ROOT,
+                   script=wrapper(tmp_path, "old_way.py", patch))
     assert r.returncode == 0, r.stderr
     for name in ("model_00001.pt", "model_00002.pt"):
         assert (tmp_path / "log" / name).read_bytes() == (tmp_path / "old" / name).read_bytes(), name

@@ -23,20 +23,22 @@ def data(tmp_path_factory):
     return random_shards(tmp_path_factory.mktemp("data"), 7, 600, [128 * 9 + 30, 128 * 9 + 5])
 
 
-# The seams of a training step, for a wrapping script: configure_optimizers (which the trainer calls
-# once, on its raw model) is wrapped to keep the model and the optimizer, and to make the optimizer's
-# zero_grad() (a step's first act on them) and its step() (the update) call the script's
-# step_begins, before_update and after_update, with the number of the step (counted from this
-# process's first step: the step's own number in a run that starts from scratch). The script then
-# redefines those it needs and calls train(): runpy runs train_gpt2.py as `python train_gpt2.py
-# ARGS` does (the modules are patched first: the trainer binds its names when it runs).
+# The seams of a training step, for a wrapping script. The trainer begins each step with
+# model.train() (GPT.train(True), through DDP or torch.compile's wrapper: the evals leave the model in
+# eval mode), and updates in optimizer.step(); configure_optimizers (which it calls once, on its raw
+# model) is wrapped to keep the model and the optimizer and to hook that optimizer's step(). These
+# call the script's step_begins, before_update and after_update with the number of the step (counted
+# from this process's first step: the step's own number in a run that starts from scratch); a step()
+# outside a training step (FSDP's state dict may call one) is not an update. The script then
+# redefines those it needs and calls train(): runpy runs train_gpt2.py as `python train_gpt2.py ARGS`
+# does (the modules are patched first: the trainer binds its names when it runs).
 SEAMS = """
 import os, runpy, sys, time
 import torch
 import model
 from gptkit import checkpoint, parallel, shards
 rank = int(os.environ.get('RANK', 0))
-run, begun = {}, [0]  # the raw model and the optimizer; the training steps begun in this process
+run, begun, stepping = {}, [0], []  # the raw model and the optimizer; the training steps begun; in one
 
 
 def say(line):  # one write: the ranks' lines stay whole
@@ -44,7 +46,7 @@ def say(line):  # one write: the ranks' lines stay whole
     sys.stdout.flush()
 
 
-def step_begins(step):  # the step's optimizer.zero_grad(), before it runs: its micro-steps follow
+def step_begins(step):  # the step's model.train(), before it runs: zero_grad and its micro-steps follow
     pass
 
 
@@ -56,18 +58,30 @@ def after_update(step):  # ... and after it: the update is done (or skipped)
     pass
 
 
+model_train = model.GPT.train
+def train_mode(self, mode=True):
+    if mode and 'optimizer' in run:
+        stepping[:] = [begun[0]]
+        begun[0] += 1
+        step_begins(stepping[0])
+    return model_train(self, mode)
+model.GPT.train = train_mode
+
+
+def update_hook(seam):
+    def hook(*_):
+        if stepping:
+            seam(stepping[0])
+    return hook
+
+
 configure = model.GPT.configure_optimizers
 def configure_optimizers(self, *a, **k):
     optimizer = configure(self, *a, **k)
     run.update(model=self, optimizer=optimizer)
-    zero_grad = optimizer.zero_grad
-    def step_zero_grad(*a, **k):
-        begun[0] += 1
-        step_begins(begun[0] - 1)
-        return zero_grad(*a, **k)
-    optimizer.zero_grad = step_zero_grad
-    optimizer.register_step_pre_hook(lambda *_: before_update(begun[0] - 1))
-    optimizer.register_step_post_hook(lambda *_: after_update(begun[0] - 1))
+    optimizer.register_step_pre_hook(update_hook(before_update))
+    optimizer.register_step_post_hook(update_hook(after_update))
+    optimizer.register_step_post_hook(lambda *_: stepping.clear())
     return optimizer
 model.GPT.configure_optimizers = configure_optimizers
 
@@ -211,7 +225,7 @@ def test_the_step_waits_for_nothing_before_its_update(data, tmp_path, nproc, ext
     """Under DDP with 2 micro-steps, the gradients stay views into DDP's bucket through every
     micro-step (1 storage, not one per parameter: a second copy of them, 4 bytes per parameter)
     and after the synced one (gradient_as_bucket_view: every gradient a view, none missing);
-    between a step's start (its optimizer.zero_grad()) and its optimizer.step() the host reads no
+    between a step's start (its model.train()) and its optimizer.step() the host reads no
     tensor (item, tolist, bool, float, int, cpu, numpy), on one process as on two, AdamW as Muon,
     float16 too; the probe's control: in step 1 it counts on past the update until step 2 begins,
     and must see finite.tolist() and loss.item(). Step 3's gradient is NaN on one rank: the step is
