@@ -97,9 +97,8 @@ globals().update(config)  # the constants as overridden, for the rest of the scr
 # DDP setup: torchrun starts one process per device and tells each who it is (RANK, LOCAL_RANK,
 # WORLD_SIZE); plain `python` is a world of one. Every rank runs all of this script.
 ddp = 'RANK' in os.environ
-rank, local_rank, world_size = 0, 0, 1
-if ddp:
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
+rank, local_rank, world_size = (int(os.environ.get(k, v)) for k, v in (('RANK', 0), ('LOCAL_RANK', 0),
+                                                                         ('WORLD_SIZE', 1)))
 master_process = rank == 0  # this process prints, logs and writes checkpoints
 device = pick_device(device, local_rank if ddp else None)  # torchrun: cuda:LOCAL_RANK, a GPU each
 cuda = device.startswith('cuda')

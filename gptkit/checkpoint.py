@@ -90,7 +90,9 @@ def one_line_errors(micro_batch):
         if line is None:
             sys.__excepthook__(kind, error, tb)
         elif not (isinstance(error, UserError) and torch.distributed.is_initialized() and parallel.rank()):
-            print(line, file=sys.stderr, flush=True)  # before the teardown, which a gone rank can hold up
+            # before the teardown, which a gone rank can hold up; to sys.__stderr__, as the hook that
+            # init_process_group puts around this one writes "[rankN]: " before what goes to sys.stderr
+            print(line, file=sys.__stderr__, flush=True)
     sys.excepthook = excepthook
     atexit.register(lambda: parallel.end_process_group(finished=not _failed))
 

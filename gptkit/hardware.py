@@ -63,12 +63,6 @@ def autocast(device, dtype):
                           enabled=dtype in AUTOCAST_DTYPES)
 
 
-def pinned(device):
-    """Whether batches bound for device are pinned first: on CUDA (cuda, cuda:N), a copy with
-    non_blocking=True is asynchronous only from pinned memory; from pageable memory the host waits."""
-    return torch.device(device).type == 'cuda'
-
-
 def cpu_has_bf16():
     """True where this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 units) and oneDNN uses
     them; elsewhere (AVX2-only CPUs, ARM here) bf16 matmuls are emulated, far slower than float32

@@ -159,7 +159,8 @@ def test_first_answer_imports_only_what_every_run_needs():
     heavy = ("torch.distributed.fsdp", "torch.distributed.tensor", "hellaswag", "wandb", "transformers",
              "datasets", "tiktoken", "torch._dynamo", "torch._inductor", "matplotlib")
     for argv in (["--help"], ["--max_step=3"]):
-        code = ("import atexit, runpy, sys\n"  # the modules as the process ends (after the script's own hooks)
+        # the modules imported when the process ends (after the script's own atexit hooks)
+        code = ("import atexit, runpy, sys\n"
                 f"atexit.register(lambda: print(sorted(m for m in sys.modules if m.startswith({heavy!r}))))\n"
                 f"sys.argv = ['train_gpt2.py', *{argv!r}]\n"
                 "runpy.run_path('train_gpt2.py', run_name='__main__')\n")
@@ -258,7 +259,8 @@ def test_16_gpus_are_told_which_B_to_use():
     readme = open(os.path.join(ROOT, "README.md")).read()
     two_nodes = readme[readme.index("torchrun --nnodes=2"):].split("\n\n")[0]
     words = two_nodes.replace("\\\n", " ").split()
-    argv = [w if w.startswith("--") else os.path.join(ROOT, w) for w in words[words.index("train_gpt2.py") + 1:]]
+    argv = words[words.index("train_gpt2.py") + 1:]
+    argv = [w if w.startswith("--") else os.path.join(ROOT, w) for w in argv]  # config files: the project's
     assert "--nproc_per_node=8" in words, two_nodes
     c = parse_config(argv, DEFAULTS)  # its config: the defaults, and what it sets
     if c["B"] != "auto":  # "auto" takes a B that divides by itself (below)
@@ -338,8 +340,8 @@ def test_presets_parse_and_divide(path):
         from model import GPTConfig
         gpu = dict(c, B="auto", dtype="bfloat16", compile=True)
         B = memory.micro_batch(gpu, GPTConfig.from_dict(c), "cuda", 8, free=80e9)[0]
-        line = re.search(r"^B = (\d+)  # per GPU on 80 GB \(8 GPUs: (\d+) micro-steps? a step\)", open(path).read(),
-                         re.M)
+        said = r"^B = (\d+)  # per GPU on 80 GB \(8 GPUs: (\d+) micro-steps? a step\)"
+        line = re.search(said, open(path).read(), re.M)
         assert line and c["B"] == int(line[1]) == B, (path, B, line)
         assert c["total_batch_size"] % (B * c["T"] * 8) == 0
         assert c["total_batch_size"] // (B * c["T"] * 8) == int(line[2]), (path, line[2])

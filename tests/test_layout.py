@@ -63,7 +63,7 @@ def test_the_root_holds_what_a_user_runs_and_gptkit_what_it_imports():
     scripts = {os.path.basename(p)[:-len(".py")] for p in SCRIPTS} - {"model"}
     found = [f"{name(p)} imports {m}" for p in PACKAGE for m in imported(p) if m in scripts]
     assert not found, found
-    found = [f"{name(p)} imports train_gpt2" for p in PROJECT + TESTS for m in imported(p) if m == "train_gpt2"]
+    found = [f"{name(p)} imports it" for p in PROJECT + TESTS for m in imported(p) if m == "train_gpt2"]
     assert not found, found
 
 
@@ -147,7 +147,8 @@ def test_no_import_cycle():
 def test_collectives_only_in_parallel_fsdp_and_the_trainer():
     names = r"all_reduce|all_gather\w*|broadcast\w*|barrier|reduce_scatter\w*|gather|scatter|send|recv"
     collective = re.compile(rf"\bdist\.({names})\(|\.full_tensor\(")
-    found = [f"{name(p)}:{i}" for p in PROJECT if name(p) not in ("gptkit/parallel.py", "gptkit/fsdp.py", "train_gpt2.py")
+    allowed = ("gptkit/parallel.py", "gptkit/fsdp.py", "train_gpt2.py")
+    found = [f"{name(p)}:{i}" for p in PROJECT if name(p) not in allowed
              for i, line in enumerate(open(p), 1) if collective.search(line)]
     assert not found, found
 

@@ -138,6 +138,7 @@ from gptkit import memory
 from gptkit.shards import DataLoaderLite
 from model import GPT
 ROOT = __ROOT__
+memory.plan.clear()  # as in a fresh interpreter: this fork's test process may have counted in-process
 rank = os.environ.get('RANK', '0')
 if os.environ.get('FREE_' + rank):
     memory.free_and_total = lambda device: (int(os.environ['FREE_' + rank]),) * 2

@@ -275,7 +275,8 @@ def test_the_process_group_waits_for_the_first_step_longer_than_collective_timeo
     stuck = RuntimeError("Timed out waiting 42000ms for recv operation to complete")
     assert checkpoint.error_line(stuck, 64) == STUCK.format("collective_timeout=42")
     alone = parallel.dist.DistStoreError("wait timeout after 7200000ms, keys: /default_pg/0//wait_for_all/3")
-    assert checkpoint.error_line(alone, 64) == STUCK.format(f"WAIT_FOR_ALL_TIMEOUT={parallel.WAIT_FOR_ALL_TIMEOUT}")
+    limit = f"WAIT_FOR_ALL_TIMEOUT={parallel.WAIT_FOR_ALL_TIMEOUT}"
+    assert checkpoint.error_line(alone, 64) == STUCK.format(limit)
 
 
 FAKE_HUB = """

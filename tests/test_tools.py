@@ -140,13 +140,14 @@ def test_wandb_offline_logs_what_log_txt_has(tmp_path):
 
 def test_wandb_is_not_imported_when_off(tmp_path):
     data = random_shards(tmp_path / "data", 0, 2000, [2000])
-    code = ("import sys, train_gpt2; train_gpt2.main(sys.argv[1:]); "
+    code = ("import runpy, sys; sys.argv[0] = 'train_gpt2.py'; "
+            "runpy.run_path('train_gpt2.py', run_name='__main__'); "
             "print('wandb imported:', 'wandb' in sys.modules)")
     args = [*ARGS, f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--max_steps=1"]
     r = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)  # a fresh interpreter
     assert r.returncode == 0, r.stderr
-    assert "wandb imported: False" in r.stdout
+    assert "step     0 | loss " in r.stdout and "wandb imported: False" in r.stdout, r.stdout
 
 
 # --- plot.py ---------------------------------------------------------------------------------------
@@ -370,23 +371,35 @@ def test_sample_reads_hf_folders_and_openai_names(hf_dir, monkeypatch, capsys):
     assert asked == ["gpt2"] and capsys.readouterr().out == from_folder  # the same weights, the same text
 
 
-def test_training_samples_are_returned_seeded_by_the_step(hf_dir, capsys):
-    """The trainer's samples: 4 lines, nothing printed, the same for the same step; a model whose
-    vocabulary is not GPT-2's gets one line on the console and no samples."""
+def test_training_samples_are_returned_seeded_by_the_step(tmp_path):
+    """The trainer's samples: at each sampled step, 4 lines in samples.txt, "step {step} sample {i}:
+    {text!r}", each a continuation of sample_prompt, and the same lines on the console. They are seeded
+    by the step: with the weights held still (max_lr=0) another step samples other text, and a resumed
+    run writes what a run straight through writes. A model whose vocabulary is not GPT-2's gets one
+    line on the console and no samples."""
     import ast
-    from model import GPTConfig, load_model
-    model = load_model(str(hf_dir), "cpu")
-    lines = sample.training_samples(model, 5, "Hello, I'm a language model,", 6, "float32")
-    assert [line.split(": ", 1)[0] for line in lines] == [f"step 5 sample {i}" for i in range(4)]
+    data = random_shards(tmp_path / "data", 0, 2000, [2000])
+    args = [*ARGS, f"--data_root={data}", "--sample_interval=2", "--sample_length=6", "--eval_interval=2",
+            "--checkpoint_interval=2", "--max_lr=0", "--min_lr=0"]
+    r = run_script([*args, f"--log_dir={tmp_path / 'straight'}", "--max_steps=4"])
+    assert r.returncode == 0, r.stderr
+    lines = (tmp_path / "straight" / "samples.txt").read_text().splitlines()
+    assert [line.split(": ", 1)[0] for line in lines] == [f"step {s} sample {i}" for s in (2, 4)
+                                                          for i in range(4)]
     texts = [ast.literal_eval(line.split(": ", 1)[1]) for line in lines]
     assert all(text.startswith("Hello, I'm a language model,") for text in texts)
-    assert sample.training_samples(model, 5, "Hello, I'm a language model,", 6, "float32") == lines
-    assert sample.training_samples(model, 6, "Hello, I'm a language model,", 6, "float32") != lines
-    assert capsys.readouterr().out == "" and not model.training
-    small = GPT(GPTConfig(block_size=16, vocab_size=300, n_layer=1, n_head=1, n_embd=8))
-    assert sample.training_samples(small, 7, "Hello", 6, "float32") == []
-    assert capsys.readouterr().out == ("step 7: no samples: the model's vocab_size=300 is smaller than "
-                                       "GPT-2's 50257: its tokens are not GPT-2's\n")
+    assert len(set(texts)) > 1 and texts[:4] != texts[4:]  # the same weights at steps 2 and 4
+    assert all(r.stdout.splitlines().count(line) == 1 for line in lines), r.stdout
+    for max_steps in (2, 4):
+        r = run_script([*args, f"--log_dir={tmp_path / 'resumed'}", f"--max_steps={max_steps}"])
+        assert r.returncode == 0, r.stderr
+    assert "resuming from" in r.stdout
+    assert (tmp_path / "resumed" / "samples.txt").read_text().splitlines() == lines
+    r = run_script([*args, f"--log_dir={tmp_path / 'small'}", "--max_steps=2", "--vocab_size=512"])
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "small" / "samples.txt").exists() and " sample 0: " not in r.stdout
+    assert ("step 2: no samples: the model's vocab_size=512 is smaller than GPT-2's 50257: its tokens are "
+            "not GPT-2's\n") in r.stdout, r.stdout
 
 
 def nanogpt_checkpoint(path):
@@ -442,7 +455,7 @@ def test_export_loads_in_transformers_with_the_same_logits(exported):
     assert os.stat(out).st_mode & 0o777 == 0o777 & ~umask  # readable by others as any folder made here
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert isinstance(hf, GPT2LMHeadModel) and hf.config.vocab_size == 50257
-    from model import load_model
+    from gptkit.loading import load_model
     ours = load_model(str(ckpt), "cpu")
     assert ours.config.vocab_size == 50304
     idx = torch.randint(0, 50257, (2, 24))
