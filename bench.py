@@ -112,8 +112,10 @@ def nanogpt_forward(self, idx, targets):
     return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def nanogpt_step(model, optimizer, loader, grad_accum, lr, device, dtype):
-    """build-nanogpt's training step: autocast (it knows bf16 only), loss.backward(), clip at 1.0."""
+def nanogpt_step(model, optimizer, loader, grad_accum, c, device):
+    """build-nanogpt's training step: autocast (it knows bf16 only), loss.backward(), clip at 1.0,
+    c's max_lr (the arguments of the step it is timed against)."""
+    lr, dtype = c['max_lr'], c['dtype']
     optimizer.zero_grad()
     loss_accum = 0.0
     for _ in range(grad_accum):
@@ -145,7 +147,7 @@ def time_baseline(c):
     compiled = torch.compile(model, dynamic=False) if c['compile'] else model
     loader = RandomTokens(c['B'], c['T'], c['vocab_size'])
     grad_accum = accumulation_steps(c['total_batch_size'], c['B'], c['T'], 1)
-    args = (compiled, optimizer, loader, grad_accum, c['max_lr'], device, c['dtype'])
+    args = (compiled, optimizer, loader, grad_accum, c, device)
     step = lambda: nanogpt_step(*args).item()  # .item() waits for the device, as both trainers do
     for _ in range(c['bench_warmup']):
         step()

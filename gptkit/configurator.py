@@ -29,7 +29,7 @@ NANOGPT_NAMES = {'learning_rate': 'max_lr', 'max_iters': 'max_steps', 'lr_decay_
                  'eval_iters': 'val_tokens', 'sample_every': 'sample_interval', 'eval_every': 'eval_interval'}
 
 TRAINER = os.path.join(os.path.dirname(__file__), '..', 'train_gpt2.py')  # its constants: what --help shows
-AUTO_OR = {'B': int}  # "auto" or a value of this type: --B=16, --B=auto
+AUTO_OR = ('B',)  # a number or "auto" (--B=16, --B=auto), whatever the default
 
 
 def parse_config(argv, defaults, doc=""):
@@ -40,10 +40,8 @@ def parse_config(argv, defaults, doc=""):
         sys.exit(0)
     config = dict(defaults)
 
-    def fits(key, value):  # the default's type; an "auto" default also takes a bool; B: a number or "auto"
+    def fits(key, value):  # the default's type; an "auto" default also takes a bool
         default = defaults[key]
-        if key in AUTO_OR:
-            return value == 'auto' or type(value) is AUTO_OR[key]
         return type(value) is type(default) or default == 'auto' and type(value) is bool
 
     def set_key(key, value, source):
@@ -53,7 +51,7 @@ def parse_config(argv, defaults, doc=""):
                             f"{', '.join(close)}")
         if isinstance(defaults[key], float) and type(value) is int:
             value = float(value)  # --max_lr=1 means 1.0
-        if not fits(key, value):
+        if key not in AUTO_OR and not fits(key, value):  # B: check_config's line says what it takes
             raise UserError(f"config key {key!r} in {source} must be {type(defaults[key]).__name__} "
                             f"like its default {defaults[key]!r}, got {type(value).__name__} {value!r}")
         config[key] = value

@@ -52,6 +52,10 @@ def full_state(model, optimizer):
     """(model state_dict, optimizer state_dict), full, on rank 0's host (empty elsewhere), in DDP's
     format (the optimizer's state numbered by position); every rank must call it."""
     model_state = get_model_state_dict(model, options=FULL)
+    first = {}  # a tied weight (wte = lm_head) is one tensor under both names, as in DDP's state_dict
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(p, name) != name and name in model_state:
+            model_state[name] = model_state[first[p]]
     opt = get_optimizer_state_dict(model, optimizer, options=FULL)  # keyed by parameter name
     names = _names(model, optimizer)
     state = {i: opt['state'][n] for i, n in enumerate(names) if n in opt.get('state', {})}

@@ -61,7 +61,10 @@ def wait_for_all():
     if world_size() == 1:
         return
     _waits += 1
-    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)
+    # One node's torchrun keeps its store across restarts: a restarted group keys apart from the dead one.
+    # Across nodes each agent counts its own restarts, so the count would differ there: not in the key.
+    shared = os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True'
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', 0) if shared else 0
     key, store = f'wait_for_all/{attempt}/{_waits}', dist.distributed_c10d._get_default_store()
     if store.add(key, 1) == world_size():  # the last rank to come lets them all go
         store.set(f'{key}/all', '')
