@@ -334,6 +334,9 @@ for step in range(start_step, max_steps + 1):
                       f"(acc {correct / n:.4f})")
                 run_record.log(log_dir, f"{step} hella {correct_norm / n:.4f}")
         enc = get_gpt2_encoding()
+        if do_sample and master_process and vocab < enc.n_vocab:  # no text to show: say so
+            print(f"step {step}: no samples: the model's vocab_size={vocab} is smaller than GPT-2's "
+                  f"{enc.n_vocab}: its tokens are not GPT-2's")
         if do_sample and master_process and vocab >= enc.n_vocab:  # 4 continuations of sample_prompt
             prompt = enc.encode(sample_prompt)[-raw_model.config.block_size:] or [enc.eot_token]
             tokens = torch.tensor([prompt] * 4, dtype=torch.long, device=device)

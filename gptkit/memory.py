@@ -72,6 +72,9 @@ def saved_bytes(model_config, B, T, dtype, head=False):
         return t
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = GPT(model_config)
+        if head:  # the trainer's CPU loss: the output layer and the loss in one pass (gptkit/cpu.py)
+            from gptkit.cpu import fuse_loss
+            fuse_loss(model)
         x = torch.zeros(B, T, dtype=torch.long)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype != 'float32'):  # fp16 saves as bf16

@@ -71,9 +71,9 @@ print(json.dumps(status('VmHWM') - base))
 @pytest.mark.parametrize("L, H, C, V, T, B, dtype", [(*s[:-1], "float32") for s in SHAPES])
 def test_a_measured_peak_lies_between_the_count_and_the_estimate(L, H, C, V, T, B, dtype):
     """One training step on the CPU as the trainer takes it (its fused loss; glibc's defaults, one
-    thread, float32: AVX2-only CPUs emulate bf16, 100x slower), measured as the process's peak RSS: at least the state (16 bytes a
-    parameter) plus the counted activations, and at most the estimate (activations x
-    ACTIVATIONS_TIMES, and OVERHEAD): measured 1.06-1.26x the count."""
+    thread, float32: AVX2-only CPUs emulate bf16, 100x slower), measured as the process's peak RSS:
+    at least the state (16 bytes a parameter) plus the counted activations, and at most the estimate
+    (activations x ACTIVATIONS_TIMES, and OVERHEAD): measured 1.06-1.26x the count."""
     c = shape(L, H, C, V, T)
     r = subprocess.run([sys.executable, "-c", PEAK.format(root=ROOT, args=(L, H, C, V, T, B, dtype))],
                        capture_output=True, text=True, timeout=300)
