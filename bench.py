@@ -80,11 +80,12 @@ class RandomTokens:
         return buf[:, :-1], buf[:, 1:]
 
 
-def synthetic_shard(folder, n, name='bench_train_000000'):
-    """folder/name.npy: n random GPT-2 token ids in documents of ~1,000 tokens, as FineWeb-Edu's."""
+def synthetic_shard(folder, n, name='bench_train_000000', vocab=N_VOCAB):
+    """folder/name.npy: n random token ids below vocab (GPT-2's) in documents of ~1,000 tokens, as
+    FineWeb-Edu's."""
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, N_VOCAB, n, dtype=np.uint16)
-    tokens[rng.integers(0, n, n // 1000)] = EOT
+    tokens = rng.integers(0, min(vocab, N_VOCAB), n, dtype=np.uint16)
+    tokens[rng.integers(0, n, n // 1000)] = min(EOT, vocab - 1)
     np.save(os.path.join(folder, name + '.npy'), tokens)
 
 
@@ -192,7 +193,7 @@ def time_ours(c, argv):
     GPU, the process's RSS on a CPU), its threads and parameters."""
     steps = c['bench_warmup'] + c['bench_steps']
     with tempfile.TemporaryDirectory() as tmp:
-        synthetic_shard(tmp, (steps + 1) * c['total_batch_size'] + 1)
+        synthetic_shard(tmp, (steps + 1) * c['total_batch_size'] + 1, vocab=c['vocab_size'])
         args = [*argv, f"--data_root={tmp}", f"--log_dir={os.path.join(tmp, 'log')}", f"--max_steps={steps}",
                 "--eval_interval=0", "--sample_interval=0", "--hellaswag=False", "--checkpoint_interval=0",
                 "--shuffle=False", "--wandb_log=False"]

@@ -34,6 +34,26 @@ def world_size():
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def restart_store():
+    """The store for init_process_group under torchrun: None (torchrun's own), or on one node a
+    fresh key space per restart attempt. torchrun's agent store outlives a worker group, and a
+    restarted group would read the dead group's keys (its ranks' addresses: a refused connect, or a
+    hang; seen 4 times in 10 without it)."""
+    env = os.environ
+    if env.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    if int(env.get('GROUP_WORLD_SIZE', 1)) == 1:  # one node's agent counts the attempts, so they key it
+        store = dist.TCPStore(env['MASTER_ADDR'], int(env['MASTER_PORT']), int(env['WORLD_SIZE']),
+                              is_master=False, timeout=timedelta(minutes=10))
+        return dist.PrefixStore(f"train_gpt2/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
+    if int(env['RANK']) == 0 and int(env.get('TORCHELASTIC_MAX_RESTARTS', 0)) > 0:  # nodes count apart
+        print("warning: restarts on several nodes: a restarted worker group can read the dead group's keys "
+              "in torchrun's shared store; launch torchrun with --rdzv-backend=c10d and "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so that each group meets in a new store "
+              "(see docs/resume.md)")
+    return None
+
+
 def first_step_timeout(collective_timeout):
     """The process group's timeout from init_process_group to the end of the first training step."""
     global waiting
@@ -55,17 +75,13 @@ def set_collective_timeout(collective_timeout):
 
 def wait_for_all():
     """A barrier after rank 0 has worked alone (a checkpoint write, the end of the run), for up to
-    WAIT_FOR_ALL_TIMEOUT, however short collective_timeout is. It meets in the process group's store,
-    on keys of this torchrun attempt's own: a restarted group never reads a dead one's."""
+    WAIT_FOR_ALL_TIMEOUT, however short collective_timeout is. It meets in the process group's store
+    (restart_store: a torchrun attempt's own keys)."""
     global _waits
     if world_size() == 1:
         return
     _waits += 1
-    # One node's torchrun keeps its store across restarts: a restarted group keys apart from the dead one.
-    # Across nodes each agent counts its own restarts, so the count would differ there: not in the key.
-    shared = os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True'
-    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', 0) if shared else 0
-    key, store = f'wait_for_all/{attempt}/{_waits}', dist.distributed_c10d._get_default_store()
+    key, store = f'wait_for_all/{_waits}', dist.distributed_c10d._get_default_store()
     if store.add(key, 1) == world_size():  # the last rank to come lets them all go
         store.set(f'{key}/all', '')
     store.wait([f'{key}/all'], timedelta(seconds=WAIT_FOR_ALL_TIMEOUT))

@@ -274,7 +274,7 @@ def _child(cmd, cwd, env, to, new_session):
         tb, ours = e.__traceback__, (__file__, getattr(sys.modules.get("runpy"), "__file__", ""))
         while tb and tb.tb_frame.f_code.co_filename in ours:
             tb = tb.tb_next
-        sys.excepthook(type(e), e, tb)  # as python reports it: the command's own hook, if it set one
+        sys.excepthook(type(e), e.with_traceback(tb), tb)  # as python reports it: the command's own hook
         interrupted = isinstance(e, KeyboardInterrupt)
     try:
         import atexit

@@ -29,14 +29,14 @@ def test_kernel_kinds(name, kind):
 
 
 def test_bench_step_takes_B_auto_as_the_trainer_does():
-    """Issue 29: bench.py with B="auto" (the default) chooses as the trainer does, says so, and
-    measures that B in its child process."""
+    """Issue 29: bench.py with B="auto" chooses as the trainer does, says so, and measures that B in
+    the trainer's run."""
     import sys
     from conftest import ROOT
     tiny = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=512", "--device=cpu",
             "--dtype=float32", "--compile=False"]
-    args = [*tiny, "--T=32", "--total_batch_size=128", "--bench_baseline=False", "--bench_steps=1",
-            "--bench_warmup=0"]
+    args = [*tiny, "--B=auto", "--T=32", "--total_batch_size=128", "--bench_baseline=False",
+            "--bench_steps=1", "--bench_warmup=0"]
     r = forked.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
                    env=one_thread())
     assert r.returncode == 0, r.stderr[-3000:]

@@ -27,7 +27,7 @@ from gptkit import checkpoint
 assert checkpoint.lock_log_dir(sys.argv[1]) == ''
 print('locked', flush=True)
 sys.stdin.read()
-checkpoint.release_log_dir(sys.argv[1], failed=False)
+checkpoint.release_log_dir()
 print('released', flush=True)
 """
 
@@ -42,7 +42,7 @@ def lock_released():
     """The lock this test process takes, released whatever the test's end (a fork of this process
     runs the trainer's commands: none must find it held)."""
     yield
-    checkpoint.release_log_dir("", failed=False)
+    checkpoint.release_log_dir()
 
 
 def holder(log_dir):
@@ -94,11 +94,11 @@ def test_a_refused_launch_leaves_the_lock_file_as_it_was(tmp_path, lock_released
         after = path.read_bytes(), os.stat(path)
         assert after[0] == before[0] and (after[1].st_ino, after[1].st_mtime_ns) == (before[1].st_ino,
                                                                                   before[1].st_mtime_ns)
-        checkpoint.release_log_dir(str(log_dir), failed=False)  # the refused run ends: it holds nothing
+        checkpoint.release_log_dir()  # the refused run ends: it holds nothing
         assert path.read_bytes() == before[0]
     finally:
         out, _ = p.communicate("", timeout=60)
-    assert out == "released\n" and os.listdir(log_dir) == []
+    assert out == "released\n" and not log_dir.exists()  # it made log_dir and wrote nothing there
     assert checkpoint.lock_log_dir(str(log_dir)) == ""
     assert (log_dir / "run.lock").read_text().startswith(f"pid {os.getpid()} on ")  # (the lock dropped)
 
@@ -132,14 +132,16 @@ def test_a_lock_on_a_file_removed_meanwhile_is_taken_again(tmp_path, monkeypatch
 
 
 def test_a_start_that_ends_removes_the_lock_and_a_failed_one_the_folders_it_made(tmp_path, lock_released):
+    """The run's end (release_log_dir, at exit) removes run.lock, and the folders that taking the lock
+    made unless something was written in them (a start that failed leaves nothing behind)."""
     made = tmp_path / "runs" / "log"
     assert checkpoint.lock_log_dir(str(made)) == ""
-    checkpoint.release_log_dir(str(made), failed=True)
+    checkpoint.release_log_dir()
     assert os.listdir(tmp_path) == []  # runs/ and runs/log: both made by taking the lock
     assert checkpoint.lock_log_dir(str(made)) == ""
     (made / "log.txt").write_text("0 train 10.0\n")
-    checkpoint.release_log_dir(str(made), failed=True)
+    checkpoint.release_log_dir()
     assert os.listdir(made) == ["log.txt"]  # something was written: it stays
     assert checkpoint.lock_log_dir(str(made)) == ""
-    checkpoint.release_log_dir(str(made), failed=False)
+    checkpoint.release_log_dir()
     assert os.listdir(made) == ["log.txt"]
