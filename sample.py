@@ -5,8 +5,7 @@ Sample text from a GPT-2: a train_gpt2.py checkpoint, a HF GPT-2 folder or an Op
     python sample.py --model gpt2 --prompt FILE:prompt.txt --num_samples 3 --max_new_tokens 200 --top_k 200
 
 Generation is KV-cached (model.py's GPT.generate); each sample is printed, prompt included, as soon
-as it is done. The same --seed gives the same text on the same machine. Also the trainer's
-samples during a run (training_samples).
+as it is done. The same --seed gives the same text on the same machine.
 """
 import argparse
 import sys
@@ -35,26 +34,6 @@ def encode_prompt(prompt, model):
 
 def decode(ids):
     return get_gpt2_encoding().decode([t for t in ids if t < N_VOCAB])  # a padded vocabulary's: no text
-
-
-@torch.no_grad()
-def training_samples(model, step, prompt, length, dtype):
-    """The trainer's samples (rank 0): 4 continuations of prompt, as lines "step {step} sample
-    {i}: {text!r}", on the device of the model's weights; seeded by the step, so a resumed run
-    gets the same ones. A model with a smaller vocabulary than GPT-2's: a line that says so, and
-    no samples."""
-    try:
-        ids = encode_prompt(prompt, model)
-    except UserError as e:
-        print(f"step {step}: no samples: {e}")
-        return []
-    model.eval()  # it stays so until train_step's model.train()
-    device = model.lm_head.weight.device
-    idx = torch.tensor([ids] * 4, dtype=torch.long, device=device)
-    generator = torch.Generator(device=device).manual_seed(42 + step)
-    with autocast(device, dtype):
-        out = model.generate(idx, length, top_k=50, generator=generator)
-    return [f"step {step} sample {i}: {decode(row)!r}" for i, row in enumerate(out.tolist())]
 
 
 def main(argv=None):
