@@ -66,7 +66,7 @@ def time_evals(c, device, n_examples):
         return total.item()
     val_eval(2)  # compiles
     val_s, _ = seconds(device, lambda: val_eval(len(x)))
-    batch = max(1, min(32, c['B'] * c['T'] // 256))  # as the trainer prepares them
+    batch = hellaswag.examples_per_batch(c['B'], c['T'])  # as the trainer prepares them
     examples = hellaswag.synthetic_examples(n_examples)
     prepared = hellaswag.prepare(examples, c['block_size'], device, batch, one_shape=c['compile'])
     hellaswag.evaluate(model, prepared, c['dtype'], c['compile'])  # compiles

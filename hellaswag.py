@@ -170,6 +170,12 @@ def evaluate(model, prepared, dtype="float32", compile=False):
     return torch.cat((labels.new_tensor([len(labels)]), picks.sum(1)))
 
 
+def examples_per_batch(B, T):
+    """The trainer's HellaSwag batch: about as many tokens as a training micro-batch of B sequences of T
+    (an example packs fewer than 256), at most 32: it fits where a step fits."""
+    return max(1, min(32, B * T // 256))
+
+
 def load_for_training(file, model, batch_examples, device, one_shape=False):
     """For train_gpt2.py's evals: this rank's batches of the val examples (file, else the cached or
     downloaded split), prepared and on the device once for the whole run. A run that cannot score

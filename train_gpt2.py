@@ -211,7 +211,7 @@ eval_model = model.module if isinstance(model, DDP) else model  # the evals' bat
 hella_data = None
 if hellaswag and eval_interval > 0:  # each rank's share of the examples, made once, on the device
     import hellaswag as hellaswag_eval
-    examples = max(1, min(32, B * T // 256))  # a batch of about a micro-batch's tokens: it fits
+    examples = hellaswag_eval.examples_per_batch(B, T)
     hella_data = hellaswag_eval.load_for_training(hellaswag_file, raw_model, examples, device, compile)
 
 # -----------------------------------------------------------------------------
