@@ -7,7 +7,8 @@ exit (~1 s). Here they are imported once per test process (PRELOAD) and every ru
 it: a process of its own, with the command's argv, working folder, environment, signals, exit
 code, and stdout/stderr at file descriptors 1 and 2, as the real command has: an uncaught error goes
 to sys.excepthook and the command's atexit functions run, as python does. What differs: the rest of
-the interpreter's teardown is skipped (os._exit after flushing). Two things cannot be had in a fork,
+the interpreter's teardown is skipped (os._exit after flushing), and inductor compiles in the
+command's own process (no worker pool: the generated code is the same). Two things cannot be had in a fork,
 so a command that needs them runs as a real subprocess (and every command does under a CUDA or ROCm
 build of torch: gpu_build): variables read when torch is imported
 (a command whose environment changes anything but RUNTIME_ENV), and more than one thread (the
@@ -249,6 +250,12 @@ def _child(cmd, cwd, env, to, new_session):
                 if type(h) is logging.StreamHandler:
                     h.stream = sys.stdout if id(h.stream) in was_stdout else sys.stderr  # no flush of the old
         torch.set_num_threads(1)  # OMP_NUM_THREADS=1 (forkable): OpenMP's threads are not in the fork
+        # the compiler as a fresh interpreter has it: no graph cached by a test of this process, and
+        # inductor compiling in this process. A compile worker pool this process made is not in the
+        # fork (its threads), and a compile handed to it would wait forever.
+        import torch._inductor.config
+        torch._dynamo.reset()
+        torch._inductor.config.compile_threads = 1
         if cmd[1] == "-c":
             sys.argv = ["-c", *cmd[3:]]
             sys.path[0:0] = [""]

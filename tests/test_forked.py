@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import torch
@@ -120,3 +121,22 @@ def test_a_timeout_kills_the_whole_job(tmp_path, threads):
         if forked.state(pid) not in (None, "Z"):
             os.kill(pid, signal.SIGKILL)
     assert len(pids) == 2 and set(states) <= {None, "Z"}, states  # gone, or a zombie: its files closed
+
+
+def test_a_compile_in_a_fork_never_depends_on_this_process():
+    """This process compiles first, with inductor's pool of compile threads (two, as on any machine
+    with two CPUs); then a forked command compiles. The pool's threads are not in the fork: without a
+    compiler of the fork's own (forked.py), the command's compile waited on them forever. Each kernel
+    holds a constant of its own, so that no cache on disk answers for the compiler."""
+    import torch._inductor.config as inductor
+    from torch._inductor.async_compile import AsyncCompile
+    a, b = (float(c) for c in np.random.default_rng().integers(1, 2 ** 24, 2))
+    with inductor.patch(compile_threads=2):
+        assert torch.compile(lambda x: x * a)(torch.ones(2)).tolist() == [a, a]
+    assert AsyncCompile.pool.cache_info().currsize == 1  # the pool of threads that this process made
+    code = f"import torch; print(torch.compile(lambda x: x * {b})(torch.ones(2)).tolist())"
+    cmd = [sys.executable, "-c", code]
+    assert forked.forkable(cmd, dict(env=one_thread()))
+    done = forked.run(cmd, cwd=ROOT, env=one_thread(), capture_output=True, text=True, timeout=120)
+    assert done.stdout == f"{[b, b]}\n", done.stderr
+    torch._dynamo.reset()
