@@ -194,6 +194,7 @@ def test_bf16_forward_float32_loss(hf_and_ours):
     s16, _, order16, _ = losses_of(ours, make_examples(8, seed=1), dtype="bfloat16")
     assert order16 == order32
     assert s16.dtype == torch.float32 and torch.allclose(s16, s32, rtol=0.05)
+    assert not torch.equal(s16, s32)  # the forward did run in bf16
 
 
 def test_long_examples_lose_context_from_the_left(hf_and_ours, capsys, enc):
@@ -231,8 +232,11 @@ def test_the_compiled_eval_counts_as_the_eager_one(hf_and_ours):
     torch._dynamo.reset()
     prepared = hellaswag.prepare(examples, 64, "cpu", 5, one_shape=True)
     assert len({(tuple(x.shape), tuple(at.shape)) for x, _, _, at, _, _ in prepared[0]}) == 1
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = hellaswag.evaluate(ours, prepared, compile=True)
+    assert counters["stats"]["unique_graphs"] == 1  # it was compiled, to one graph
     assert compiled.tolist() == eager.tolist()
 
 
@@ -382,7 +386,7 @@ ROOT = __ROOT__
 from gptkit.shards import DataLoaderLite
 from torch.overrides import TorchFunctionMode
 T = torch.Tensor
-READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.cpu, T.numpy}
+from tests.host_reads import READS
 DATA_SIZED = {torch.nonzero, T.nonzero, torch.argwhere, T.argwhere, torch.unique, T.unique,
               torch.unique_consecutive, torch.masked_select, T.masked_select}
 class Count(TorchFunctionMode):  # host reads, and ops whose output's size depends on the data

@@ -492,7 +492,7 @@ import json
 import torch
 from torch.overrides import TorchFunctionMode
 T = torch.Tensor
-reads_by_name = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.cpu, T.numpy}
+from tests.host_reads import READS as reads_by_name
 saves, modes = [], {}
 
 
@@ -518,8 +518,8 @@ sys.setprofile(profile)
 def test_a_checkpoint_write_reads_values_back_a_fixed_number_of_times(data, tmp_path):
     """Issue 36.5: writing a checkpoint reads tensor values back to the host twice (the replicas'
     checksum, the checkpoint's), however many tensors it holds: it was once a tensor, and on a GPU
-    each read waits for the device (~450 at 124M). Every read by name, as test_step's probe counts
-    them (item, tolist, bool, float, int, index, cpu, numpy), for two model sizes, in every call of
+    each read waits for the device (~450 at 124M). Every read that tests/host_reads.py
+    lists, for two model sizes, in every call of
     the trainer's save_checkpoint during a real run (a profile hook brackets each call)."""
     script = wrapper(tmp_path, "count_reads.py", COUNT_READS % TRAINER,
                      after="sys.setprofile(None)\nprint('saves:', json.dumps(saves))")

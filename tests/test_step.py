@@ -119,7 +119,7 @@ PROBE = wrapper("""
 import contextlib
 from torch.overrides import TorchFunctionMode
 T = torch.Tensor
-READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.cpu, T.numpy}
+from tests.host_reads import READS
 NAN_STEP = 3
 CONTROL_STEP = 1  # the probe's positive control: it counts on past the update, until the next step begins
 
@@ -226,7 +226,7 @@ def test_the_step_waits_for_nothing_before_its_update(data, tmp_path, nproc, ext
     micro-step (1 storage, not one per parameter: a second copy of them, 4 bytes per parameter)
     and after the synced one (gradient_as_bucket_view: every gradient a view, none missing);
     between a step's start (its model.train()) and its optimizer.step() the host reads no
-    tensor (item, tolist, bool, float, int, cpu, numpy), on one process as on two, AdamW as Muon,
+    tensor (any way tests/host_reads.py lists), on one process as on two, AdamW as Muon,
     float16 too; the probe's control: in step 1 it counts on past the update until step 2 begins,
     and must see finite.tolist() and loss.item(). Step 3's gradient is NaN on one rank: the step is
     skipped on the device (found_inf), its weights and optimizer state stay bit for bit, and it is
