@@ -63,7 +63,8 @@ def test_what_a_fork_cannot_have_runs_as_a_subprocess(tmp_path, monkeypatch):
     assert not forked.forkable(cmd, dict(env=dict(one_thread(), TORCH_LOGS="recompiles")))
     assert not forked.forkable(cmd, dict(env=one_thread(), preexec_fn=print))
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    assert forked.forkable(torchrun, dict(env=dict(one_thread(), TORCH_LOGS="+dynamo")))
+    assert forked.forkable(torchrun, dict(env=one_thread()))
+    assert not forked.forkable(torchrun, dict(env=dict(one_thread(), TORCH_LOGS="+dynamo")))  # its workers'
     threads = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
     r = forked.run(threads, capture_output=True, text=True, env=dict(one_thread(), OMP_NUM_THREADS="2"))
     assert r.stdout == "2\n"
@@ -140,3 +141,19 @@ def test_a_compile_in_a_fork_never_depends_on_this_process():
     done = forked.run(cmd, cwd=ROOT, env=one_thread(), capture_output=True, text=True, timeout=120)
     assert done.stdout == f"{[b, b]}\n", done.stderr
     torch._dynamo.reset()
+
+
+def test_a_forked_torchruns_workers_are_forks_started_as_torchrun_starts_them(tmp_path):
+    """Each worker: a fork of the launcher (the test process's modules already imported), in a
+    session of its own, with torchrun's variables, unbuffered (python -u), its exit code torchrun's
+    to report."""
+    (tmp_path / "worker.py").write_text(
+        "import os, sys\n"
+        "print(os.environ['RANK'], os.environ['WORLD_SIZE'], 'forked' in sys.modules,"
+        " os.getsid(0) == os.getpid(), os.environ['PYTHONUNBUFFERED'])\n"
+        "sys.exit(int(os.environ['RANK']) * 3)\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(tmp_path / "worker.py")]
+    r = forked.run(cmd, cwd=ROOT, env=one_thread(), capture_output=True, text=True, timeout=120)
+    assert sorted(r.stdout.splitlines()) == ["0 2 True True 1", "1 2 True True 1"], r.stderr[-2000:]
+    assert r.returncode == 1 and "exitcode  : 3" in r.stderr, (r.returncode, r.stderr[-2000:])
