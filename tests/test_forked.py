@@ -30,6 +30,15 @@ CASES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def fork_on_any_build(request, monkeypatch):
+    """The fork is what these tests test, under a CUDA build of torch too (where the suite runs
+    every command as a subprocess: gpu_build). Their commands run no backward, the one thing such a
+    build cannot do in a fork; the test of that choice itself keeps it."""
+    if request.function is not test_what_a_fork_cannot_have_runs_as_a_subprocess:
+        monkeypatch.setattr(forked, "gpu_build", lambda: False)
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_a_fork_runs_a_command_as_python_does(name):
     cmd = [sys.executable, *CASES[name]]
@@ -92,6 +101,7 @@ ENDINGS.update({
 def test_a_fork_ends_with_the_exit_code_python_gives(code):
     """The exit code, stdout and stderr of python itself, and never a second test process."""
     cmd, me = [sys.executable, "-c", code], os.getpid()
+    assert forked.forkable(cmd, dict(env=one_thread(), capture_output=True))  # a fork, against python
     try:
         got = forked.run(cmd, capture_output=True, text=True, env=one_thread())
     finally:

@@ -355,8 +355,11 @@ def test_defaults_train_step_for_step_as_before_issue_22(data, tmp_path):
     digit (2e-6: AdamW runs fused on the CPU since issue 27, which rounds apart from foreach by an ulp
     now and then)."""
     r = subprocess.run(["git", "-C", ROOT, "archive", "cb9e534"], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"no git history here: {r.stderr.decode()[:200]}")
+    if r.returncode != 0:  # a shallow clone: a skip on a developer's machine, never in CI (.ci/run)
+        why = f"no git history here: {r.stderr.decode()[:200]}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
     old = tmp_path / "old"
     tarfile.open(fileobj=io.BytesIO(r.stdout)).extractall(old, filter="data")
     env = one_thread()

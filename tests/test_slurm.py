@@ -3,9 +3,11 @@ and scancel commands on PATH run its logic: the launch line, and what each way a
 ends in (issue 37: requeue after a time limit or a preemption only, the checkpoint write never cut
 short by the script's own exit, and nothing read from the output file, which sbatch -o moves).
 
-The fake srun stands for the job step (the trainer under torchrun): it appends FAKE_PRINT to the
-output file and exits FAKE_CODE at once or, with FAKE_WAIT, once it gets SIGTERM and has spent
-0.3 s writing its checkpoint (file ckpt). The fake scancel passes its SIGTERM on to that step (what
+The fakes behave as SLURM documents it. The fake job step (the trainer under torchrun) appends
+FAKE_PRINT to the output file and exits FAKE_CODE at once or, with FAKE_WAIT, once a SIGTERM of its
+own reaches it and it has spent 0.3 s writing its checkpoint (file ckpt); no SIGTERM within 10 s
+makes it say so and exit 99. The fake srun runs that step; a SIGTERM to srun itself ends the step
+as real srun does, with SIGKILL: no checkpoint. The fake scancel sends SIGTERM to the step (what
 `scancel --signal=TERM JOBID` does to the job's steps), and the fake scontrol answers `show job`
 with FAKE_PREEMPT_TIME as PreemptTime (a time once SLURM chose the job for preemption)."""
 import os
@@ -20,18 +22,28 @@ from conftest import ROOT
 
 SCRIPT = os.path.join(ROOT, "scripts", "slurm_train.sh")
 PREEMPTED = "2026-12-01T10:00:00"
-SRUN = """#!/bin/bash
-echo "$@" > "$FAKE_DIR/srun_args"
-env > "$FAKE_DIR/srun_env"
+STEP = """#!/bin/bash
 if [ -n "${FAKE_WAIT:-}" ]; then
     got=""
     trap 'got=1' TERM
-    echo $$ > "$FAKE_DIR/srun_pid"
+    echo $$ > "$FAKE_DIR/step_pid"
     for _ in $(seq 200); do [ -n "$got" ] && break; sleep 0.05; done
+    if [ -z "$got" ]; then
+        echo "fake step: no SIGTERM reached it" >> "$FAKE_OUT"
+        exit 99
+    fi
     sleep 0.3 && echo written > "$FAKE_DIR/ckpt"
 fi
 printf %s "${FAKE_PRINT:-}" >> "$FAKE_OUT"
 exit $FAKE_CODE
+"""
+SRUN = """#!/bin/bash
+echo "$@" > "$FAKE_DIR/srun_args"
+env > "$FAKE_DIR/srun_env"
+step &
+pid=$!
+trap 'kill -KILL $pid; wait $pid; exit 137' TERM INT  # srun's own signal: its tasks are killed
+wait $pid
 """
 SCONTROL = """#!/bin/bash
 case "$1 $2" in
@@ -43,7 +55,7 @@ esac
 """
 SCANCEL = """#!/bin/bash
 echo "$@" >> "$FAKE_DIR/scancel"
-kill -TERM "$(cat "$FAKE_DIR/srun_pid")"
+kill -TERM "$(cat "$FAKE_DIR/step_pid")"
 """
 
 
@@ -52,7 +64,7 @@ def start(tmp_path, code, printed="", out="gpt2-77.out", wait=False, preempt_tim
     output in tmp_path/out; a process group of its own (SLURM's signals to the job reach it all)."""
     fake = tmp_path / "bin"
     fake.mkdir()
-    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("scancel", SCANCEL)):
+    for name, text in (("srun", SRUN), ("step", STEP), ("scontrol", SCONTROL), ("scancel", SCANCEL)):
         (fake / name).write_text(text)
         (fake / name).chmod(0o755)
     (tmp_path / out).parent.mkdir(parents=True, exist_ok=True)
@@ -83,10 +95,13 @@ def finish(tmp_path, job):
 def signalled(tmp_path, job, sig, group):
     """sig to the script (group: to every process of the job) once the step runs."""
     for _ in range(400):
-        if (tmp_path / "srun_pid").exists():
+        if (tmp_path / "step_pid").exists():
             break
         time.sleep(0.05)
-    time.sleep(0.1)  # srun_pid is written after the step's trap is set
+    else:
+        job.kill()
+        raise AssertionError(f"the job step never started: {(tmp_path / 'script.out').read_text()}")
+    time.sleep(0.1)  # step_pid is written after the step's trap is set
     (os.killpg if group else os.kill)(job.pid, sig)
     return finish(tmp_path, job)
 
@@ -152,12 +167,21 @@ def test_time_limit_stops_the_steps_then_requeues(tmp_path):
     assert "stopped for the time limit (srun exit 1); requeueing job 77" in out
 
 
-@pytest.mark.parametrize("group", [False, True])
-def test_a_sigterm_to_the_script_stops_without_requeue(tmp_path, group):
-    """scancel --batch --signal=TERM 77 (the script alone: it passes SIGTERM on to the steps), or a
-    SIGTERM to the whole job (a plain scancel, or the end of a preemption's grace time, where SLURM
-    requeues by itself): the script waits for the checkpoint, and does not requeue."""
+def test_a_sigterm_to_the_script_stops_with_a_checkpoint_without_requeue(tmp_path):
+    """scancel --batch --signal=TERM 77 (the script alone): it passes SIGTERM on to the steps, waits
+    for the checkpoint, and does not requeue."""
     job = start(tmp_path, 1, STOPPED, wait=True)
-    code, out, written, scancel, scontrol = signalled(tmp_path, job, signal.SIGTERM, group)
+    code, out, written, scancel, scontrol = signalled(tmp_path, job, signal.SIGTERM, group=False)
     assert (code, written, scancel, scontrol) == (1, True, ["--signal=TERM", "77"], None), out
     assert "stopped by a SIGTERM to this script (srun exit 1); not requeued" in out
+
+
+def test_a_plain_scancel_ends_the_job_without_checkpoint_or_requeue(tmp_path):
+    """A plain scancel (or the end of a preemption's grace time, where SLURM requeues by itself):
+    SIGTERM to every process of the job, srun too, which SIGKILLs its tasks. No checkpoint is
+    written (docs/resume.md: use scancel --signal=TERM to stop with one); the script does not requeue
+    and exits with srun's code."""
+    job = start(tmp_path, 1, STOPPED, wait=True)
+    code, out, written, scancel, scontrol = signalled(tmp_path, job, signal.SIGTERM, group=True)
+    assert (code, written, scontrol) == (137, False, None), out
+    assert "stopped by a SIGTERM to this script (srun exit 137); not requeued" in out
