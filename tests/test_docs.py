@@ -306,18 +306,31 @@ def test_planning_figures_have_one_home_and_agree():
     span = f"{step_s:.2f}-{llmc_ms / 1000:.2f} s"
     assert f"**{span} on 8 GPUs**" in bench
     assert f"a 124M step of {span} on 8 GPUs" in flat(read("docs", "ddp.md"))
-    evals = sum(1 for s in range(steps + 1) if s % c["eval_interval"] == 0 or s == steps
-                or (s > 0 and s % c["checkpoint_interval"] == 0))
+    # the evals: when the trainer's own loop does them (its do_checkpoint and do_eval lines)
+    rules = dict(re.findall(r"^    (do_checkpoint|do_eval) = (.*)$", read("train_gpt2.py"), re.M))
+    evals = 0
+    for s in range(steps + 1):
+        at = dict(c, step=s, last_step=s == steps)
+        at["do_checkpoint"] = eval(rules["do_checkpoint"], at)
+        evals += eval(rules["do_eval"], at)
     assert f"The {evals} evals, shared by the 8 ranks" in bench and f"its {evals} evals" in bench
-    assert "Plan on about 45 minutes" in bench
-    assert "19,073 steps, ~45 min (computed)" in readme and "its ~45 min on 8 GPUs are" in readme
-    assert "# About 45 minutes on 8 H100s or H200s (computed" in read("config", "gpt2_124M.py")
 
     # compile's start: measured on the H200, repeated in precision.md and in the 8-GPU time
     first = figure(r"\| first step, compilation included \| ([\d.]+) s and ([\d.]+) s")
     precision = flat(read("docs", "precision.md"))
     assert "{} s and {} s on an H200".format(*first) in precision and "the minute it takes" not in precision
     assert "compilation {}-{} s".format(*first) in bench
+
+    # the plan: the steps, the evals over 8 ranks and the first compile, at each end; about: to 5 minutes
+    eval_s = list(map(float, figure(r"\(([\d.]+)-([\d.]+) s each on\s+one GPU")))
+    ends = [(steps * step, evals * e / 8, float(f)) for step, e, f in
+            zip((step_s, llmc_ms / 1000), eval_s, first)]
+    low, high = (sum(end) / 60 for end in ends)
+    plan = 5 * round(high / 5)
+    assert f"Plan on about {plan} minutes for the default run on 8 H100s or H200s** (computed: " \
+           f"{low:.0f}-{high:.0f} minutes)" in bench
+    assert f"19,073 steps, ~{plan} min (computed)" in readme and f"its ~{plan} min on 8 GPUs are" in readme
+    assert f"# About {plan} minutes on 8 H100s or H200s (computed" in read("config", "gpt2_124M.py")
 
     # the raw FineWeb-Edu download: data.md's computed figure, in the README too
     data = flat(read("docs", "data.md"))
