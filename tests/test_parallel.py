@@ -281,12 +281,25 @@ def test_the_process_group_waits_for_the_first_step_longer_than_collective_timeo
 
 FAKE_HUB = """
 import os, runpy, sys, time, torch, transformers
+from gptkit import parallel
+arrivals, agree, calls = os.path.join(os.environ['HF_CACHE'], 'arrivals_1'), parallel.agree, [0]
+def arriving(*a, **k):  # each decision taken with the others: rank 1 marks the moment it arrives
+    calls[0] += 1
+    if os.environ['RANK'] == '1':
+        with open(arrivals, 'a') as f:
+            f.write('arrived\\n')
+    return agree(*a, **k)
+parallel.agree = arriving
 def from_pretrained(name, *a, **k):  # the HF hub, offline: a download into the cache (one line), or a read
     cached = os.path.join(os.environ['HF_CACHE'], name)
     if not os.path.exists(cached):
         with open(os.environ['DOWNLOADS'], 'a') as f:
             f.write(f"rank {os.environ['RANK']}\\n")
-        time.sleep(3)  # the download's time: a rank that does not wait for it finds no cache either
+        if os.environ['RANK'] == '0':  # the download lasts until rank 1 arrives at the next decision
+            t0 = time.time()  # (60 s at most): the ranks took calls[0] of them together before this
+            while time.time() - t0 < 60 and (not os.path.exists(arrivals)
+                                             or len(open(arrivals).readlines()) <= calls[0]):
+                time.sleep(0.01)
         open(cached, 'w').close()
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -301,7 +314,9 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 def test_init_from_gpt2_is_downloaded_by_one_rank_the_others_read_it(data, tmp_path):
     """Issue 36.5: init_from=gpt2 on 2 ranks of a node: LOCAL_RANK 0 downloads it into the node's
     HF cache, the other waits (in a collective) and then reads it there, instead of every rank
-    downloading it at once before the first collective that needs them all. The run then trains."""
+    downloading it at once before the first collective that needs them all. The download ends only
+    once rank 1 has arrived at that collective: a rank 1 that did not wait would download too. The
+    run then trains."""
     (tmp_path / "hub.py").write_text(FAKE_HUB)
     (tmp_path / "cache").mkdir()
     run_args = args(data, tmp_path / "log", "--init_from=gpt2", "--max_steps=2", "--eval_interval=0",
