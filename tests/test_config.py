@@ -294,7 +294,7 @@ def test_lr_schedule(tmp_path):
     r = run_script([*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=32", "--max_lr=6e-4",
                     "--min_lr=6e-5", "--warmup_steps=10", "--max_steps=110", "--eval_interval=0",
                     "--sample_interval=0", "--hellaswag=False", f"--data_root={data}",
-                    f"--log_dir={tmp_path / 'log'}"], script=str(tmp_path / "probe.py"))
+                    f"--log_dir={tmp_path / 'log'}"], script=str(tmp_path / "probe.py"), PYTHONPATH=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     lr = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("probe lr ")]
     assert len(lr) == 110  # one update per step, none at max_steps
