@@ -13,8 +13,8 @@ so a command that needs them runs as a real subprocess (and every command does u
 build of torch: gpu_build): variables read when torch is imported
 (a command whose environment changes anything but RUNTIME_ENV), and more than one thread (the
 command must set OMP_NUM_THREADS=1: OpenMP's pool of threads is not in the fork, and a parallel
-region would wait on it forever). A forked torchrun's workers are forks of its launcher
-(fork_workers), started as torchrun starts them. A test about what a fresh interpreter imports (lazy
+region would wait on it forever). torchrun's workers are always fresh interpreters, as in
+production: only the launcher is forked. A test about what a fresh interpreter imports (lazy
 imports) must use subprocess itself: a fork starts with this process's modules.
 """
 import ctypes
@@ -51,7 +51,7 @@ def gpu_build():
     return bool(torch.version.cuda or torch.version.hip)
 
 
-def forkable(cmd, kw, runtime_env=RUNTIME_ENV):
+def forkable(cmd, kw):
     """Whether subprocess's cmd and keyword arguments can run as a fork: [sys.executable, then a
     script, -c code or -m torch.distributed.run, ...], in an environment that changes nothing
     read at import, with no more than stdout/stderr (PIPE, STDOUT)/cwd/text/start_new_session/timeout
@@ -65,7 +65,7 @@ def forkable(cmd, kw, runtime_env=RUNTIME_ENV):
     env = kw.get("env") or os.environ
     if cmd[1] == "-m" and cmd[2:3] != ["torch.distributed.run"]:
         return False
-    # torchrun's workers are forks of the launcher (fork_workers): the environment is theirs too
+    # torchrun's launcher passes its environment on to its workers
     folder = os.path.dirname(os.path.abspath(os.path.join(kw.get("cwd") or os.getcwd(), cmd[1])))
     if cmd[1] not in ("-c", "-m") and folder != ROOT and any(os.path.exists(os.path.join(folder, f"{m}.py"))
                                                  for m in [*sys.modules, *PRELOAD]):
@@ -73,7 +73,7 @@ def forkable(cmd, kw, runtime_env=RUNTIME_ENV):
     changed = {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)}
     if env.get("PYTHONPATH") == ROOT:  # the project's root is on the test process's sys.path already
         changed.discard("PYTHONPATH")
-    return (changed <= runtime_env and (cmd[1] in ("-c", "-m") or not cmd[1].startswith("-"))
+    return (changed <= RUNTIME_ENV and (cmd[1] in ("-c", "-m") or not cmd[1].startswith("-"))
             and env.get("OMP_NUM_THREADS") == "1")
 
 
@@ -145,7 +145,7 @@ class Forked:
     to a temporary file, read when asked (no pipe to fill up and block the child)."""
 
     def __init__(self, cmd, cwd=None, env=None, stdout=None, stderr=None, text=False,
-                 start_new_session=False, worker=False):
+                 start_new_session=False):
         for name in PRELOAD:  # imported once, by the first fork (sys.modules answers after it)
             __import__(name)
         self.args, self.returncode, self._text = cmd, None, text
@@ -160,7 +160,7 @@ class Forked:
             status = 1
             try:
                 env = dict(os.environ if env is None else env)
-                status = _child(cmd, cwd, env, to, start_new_session, worker)
+                status = _child(cmd, cwd, env, to, start_new_session)
             finally:
                 os._exit(status)
         self._piped, self._pidfd = piped, os.pidfd_open(self.pid)
@@ -198,10 +198,9 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def _child(cmd, cwd, env, to, new_session, worker=False):
+def _child(cmd, cwd, env, to, new_session):
     """In the forked child: become the command and run it as `python` would; the status to exit
-    with, as python's (Ctrl-C not caught: killed by SIGINT, as python ends then). A worker of
-    torchrun's (fork_workers) outlives its launcher, as a real one does after a kill -9 of torchrun."""
+    with, as python's (Ctrl-C not caught: killed by SIGINT, as python ends then)."""
     status, interrupted = 1, False
     try:
         if new_session:
@@ -215,8 +214,7 @@ def _child(cmd, cwd, env, to, new_session, worker=False):
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         # killed with the test process: a child stuck here must not hold its pipes (xdist's) open. Its
         # other files stay open: closing them would let a finalizer close a number since reused
-        if not worker:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         os.environ.clear()
         os.environ.update(env)
         if cwd is not None:
@@ -267,8 +265,6 @@ def _child(cmd, cwd, env, to, new_session, worker=False):
             exec(compile(cmd[2], "<string>", "exec"), main.__dict__)
         elif cmd[1] == "-m":
             import runpy
-            if cmd[2] == "torch.distributed.run":
-                fork_workers()
             sys.argv = [cmd[2], *cmd[3:]]
             sys.modules.pop(cmd[2], None)  # run afresh as __main__, as python -m does (runpy warns otherwise)
             runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
@@ -307,28 +303,6 @@ def _child(cmd, cwd, env, to, new_session, worker=False):
         os.kill(os.getpid(), signal.SIGINT)
         status = 128 + signal.SIGINT
     return status
-
-
-def fork_workers():
-    """In a forked torchrun launcher: its workers are forks of it too, started as torchrun starts
-    them (`python -u script args`, in a session of their own, with torchrun's variables, which are
-    read when the trainer runs: RANK, MASTER_PORT, ...), but with torch and the trainer's modules
-    imported already: a fresh worker spends ~4 s on them, most of a test's run. What a worker is not
-    (stdout or stderr to files, --no-python, -m, a script of another checkout) starts as torchrun
-    starts it."""
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
-    handler = subprocess_handler.SubprocessHandler
-    popen = handler._popen
-
-    def fork_popen(self, args, env):
-        cmd = [sys.executable, *args[2:]]
-        torchruns = {k for k in env if env[k] != os.environ.get(k)}  # torchrun's own, read at run time
-        kw = dict(env=dict(env, PYTHONUNBUFFERED="1"), start_new_session=True)
-        if (tuple(args[:2]) != (sys.executable, "-u") or self._stdout or self._stderr
-                or not forkable(cmd, kw, RUNTIME_ENV | torchruns | {"PYTHONUNBUFFERED"})):
-            return popen(self, args, env)
-        return Forked(cmd, **kw, worker=True)
-    handler._popen = fork_popen
 
 
 def _stream(fd, raw, **kw):

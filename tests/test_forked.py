@@ -152,18 +152,3 @@ def test_a_compile_in_a_fork_never_depends_on_this_process():
     assert done.stdout == f"{[b, b]}\n", done.stderr
     torch._dynamo.reset()
 
-
-def test_a_forked_torchruns_workers_are_forks_started_as_torchrun_starts_them(tmp_path):
-    """Each worker: a fork of the launcher (the test process's modules already imported), in a
-    session of its own, with torchrun's variables, unbuffered (python -u), its exit code torchrun's
-    to report."""
-    (tmp_path / "worker.py").write_text(
-        "import os, sys\n"
-        "print(os.environ['RANK'], os.environ['WORLD_SIZE'], 'forked' in sys.modules,"
-        " os.getsid(0) == os.getpid(), os.environ['PYTHONUNBUFFERED'])\n"
-        "sys.exit(int(os.environ['RANK']) * 3)\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(tmp_path / "worker.py")]
-    r = forked.run(cmd, cwd=ROOT, env=one_thread(), capture_output=True, text=True, timeout=120)
-    assert sorted(r.stdout.splitlines()) == ["0 2 True True 1", "1 2 True True 1"], r.stderr[-2000:]
-    assert r.returncode == 1 and "exitcode  : 3" in r.stderr, (r.returncode, r.stderr[-2000:])
