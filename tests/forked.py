@@ -63,17 +63,16 @@ def forkable(cmd, kw):
     if kw.get("stdout") not in (None, PIPE) or kw.get("stderr") not in (None, PIPE, STDOUT):
         return False
     env = kw.get("env") or os.environ
-    if cmd[1] == "-m" and cmd[2:3] != ["torch.distributed.run"]:
-        return False
-    # torchrun's launcher passes its environment on to its workers
+    if cmd[1] == "-m":  # the launcher reads nothing at import that its workers, fresh interpreters, would not
+        return cmd[2:3] == ["torch.distributed.run"]
     folder = os.path.dirname(os.path.abspath(os.path.join(kw.get("cwd") or os.getcwd(), cmd[1])))
-    if cmd[1] not in ("-c", "-m") and folder != ROOT and any(os.path.exists(os.path.join(folder, f"{m}.py"))
+    if cmd[1] != "-c" and folder != ROOT and any(os.path.exists(os.path.join(folder, f"{m}.py"))
                                                  for m in [*sys.modules, *PRELOAD]):
         return False  # a script beside modules of its own (another checkout): this process holds ours
     changed = {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)}
     if env.get("PYTHONPATH") == ROOT:  # the project's root is on the test process's sys.path already
         changed.discard("PYTHONPATH")
-    return (changed <= RUNTIME_ENV and (cmd[1] in ("-c", "-m") or not cmd[1].startswith("-"))
+    return (changed <= RUNTIME_ENV and (cmd[1] == "-c" or not cmd[1].startswith("-"))
             and env.get("OMP_NUM_THREADS") == "1")
 
 
@@ -159,8 +158,7 @@ class Forked:
         if self.pid == 0:  # the child: whatever the command does, it never returns to the test's code
             status = 1
             try:
-                env = dict(os.environ if env is None else env)
-                status = _child(cmd, cwd, env, to, start_new_session)
+                status = _child(cmd, cwd, dict(os.environ if env is None else env), to, start_new_session)
             finally:
                 os._exit(status)
         self._piped, self._pidfd = piped, os.pidfd_open(self.pid)
