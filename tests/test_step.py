@@ -6,8 +6,10 @@ the run before a checkpoint. The probes and faults live in wrapping scripts (SEA
 what train_gpt2.py calls and then run it as `python train_gpt2.py` does."""
 import os
 import re
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -97,8 +99,8 @@ def wrapper(body):
     return f"TRAINER = {os.path.join(ROOT, 'train_gpt2.py')!r}\n{SEAMS}\n{body}\ntrain()\n"
 
 
-def launch(script, tmp_path, args, nproc, env=(), timeout=300):
-    """script (its text: a wrapper, with faults or probes) run as a user runs train_gpt2.py:
+def start(script, tmp_path, args, nproc, env=()):
+    """script (its text: a wrapper, with faults or probes) started as a user runs train_gpt2.py:
     torchrun with nproc processes, or plain python (nproc None)."""
     (tmp_path / "script.py").write_text(script)
     launcher = [sys.executable]
@@ -106,7 +108,24 @@ def launch(script, tmp_path, args, nproc, env=(), timeout=300):
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     env = one_thread(PYTHONUNBUFFERED="1", PYTHONPATH=ROOT, **dict(env))
     cmd = [*launcher, str(tmp_path / "script.py"), *args]
-    return forked.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    return forked.Popen(cmd, cwd=ROOT, env=env, stdout=forked.PIPE, stderr=forked.PIPE, text=True)
+
+
+class Ended:
+    """A started run, once it has ended: returncode, stdout, stderr, and `ended`, the time it did."""
+
+    def __init__(self, p, timeout=300):
+        try:
+            self.stdout, self.stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            forked.kill_job(p)
+            raise
+        self.returncode, self.ended = p.returncode, time.time()
+
+
+def launch(script, tmp_path, args, nproc, env=(), timeout=300):
+    """script run to its end (start, above)."""
+    return Ended(start(script, tmp_path, args, nproc, env), timeout)
 
 
 def argv(data, log_dir, *extra):
@@ -350,70 +369,99 @@ def gave_up(rank, limit):
 
 
 def since(event, r):
-    """Seconds from the moment a wrapper said event (its line ends with the time) to now."""
-    return time.time() - float(re.search(rf"{event} at ([\d.]+)", r.stdout)[1])
+    """Seconds from the moment a wrapper said event (its line ends with the time) to the run's end."""
+    return r.ended - float(re.search(rf"{event} at ([\d.]+)", r.stdout)[1])
 
 
-def test_a_stuck_rank_ends_the_run_after_collective_timeout(data, tmp_path):
+# The waits' runs mostly sleep (for a timeout, a slow write): they run at once, started one after
+# another from this thread (a fork never copies a thread that holds a lock), then awaited in threads.
+# One xdist worker runs them all (loadgroup): the other is free for the rest of the suite.
+SLOW_FIRST_TIMEOUT = 10  # the slow first eval and step: 2.5x this in all
+WAIT_RUNS = {
+    "stuck": (WAITS, {"STALL_RANK": "1", "STALL_STEP": "9"}),
+    "slow_write": (WAITS, {"SLOW_STEP": "8", "SLOW_WRITE_S": str(2 * TIMEOUT)}),
+    "hung_write": (WAITS, {"SLOW_STEP": "12", "SLOW_WRITE_S": "100000", "WAIT_FOR_ALL_S": str(TIMEOUT)}),
+    "plain": (FIRST := ["--max_steps=6", "--eval_interval=3", "--checkpoint_interval=0",
+                        f"--collective_timeout={SLOW_FIRST_TIMEOUT}"], {}),
+    "slow_first": (FIRST, {"SLOW_RANK": "1", "SLOW_FIRST_S": str(SLOW_FIRST_TIMEOUT * 1.25)}),
+}
+
+
+_waits = {}  # kept here, not by the fixture's scope: xdist may run another module between these tests
+
+
+@pytest.fixture
+def waits(data, tmp_path_factory):
+    """{name: (its log_dir, the run ended)} of WAIT_RUNS, run once in this process."""
+    if not _waits:
+        _waits.update(run_waits(data, tmp_path_factory))
+    return _waits
+
+
+def run_waits(data, tmp_path_factory):
+    dirs = {name: tmp_path_factory.mktemp(name) for name in WAIT_RUNS}
+    started = {name: start(FAULTS, dirs[name], argv(data, dirs[name] / "log", *args), 2, env)
+               for name, (args, env) in WAIT_RUNS.items()}
+    with ThreadPoolExecutor(len(started)) as pool:
+        ended = dict(zip(started, pool.map(Ended, started.values())))
+    return {name: (dirs[name] / "log", ended[name]) for name in WAIT_RUNS}
+
+
+waiting = pytest.mark.xdist_group("waits")  # one worker starts WAIT_RUNS, once
+
+
+@waiting
+def test_a_stuck_rank_ends_the_run_after_collective_timeout(waits):
     """Rank 1 stops answering in step 9 (after the checkpoint of step 8): rank 0 gives up after
     collective_timeout=20 s from that moment (the first step's longer timeout is over), not sooner,
     with one line naming that bound, and exits 1, well before the test's own timeout; the checkpoint
     stands."""
-    stall = {"STALL_RANK": "1", "STALL_STEP": "9"}
-    r = launch(FAULTS, tmp_path, argv(data, tmp_path / "log", *WAITS), 2, stall)
+    log, r = waits["stuck"]
     assert r.returncode == 1, r.stdout[-2000:]
     assert TIMEOUT - 1 < since("rank 1 stalls at step 9", r) < TIMEOUT + 60
     assert errors(r) == [gave_up(0, f"collective_timeout={TIMEOUT}")], r.stderr[-3000:]
-    assert os.path.exists(tmp_path / "log" / "model_00008.pt")
-    assert max(read_log(tmp_path / "log")["train"]) <= 9
+    assert os.path.exists(log / "model_00008.pt")
+    assert max(read_log(log)["train"]) <= 9
 
 
-def test_rank_0_writing_checkpoints_slower_than_the_timeout_is_not_stuck(data, tmp_path):
+@waiting
+def test_rank_0_writing_checkpoints_slower_than_the_timeout_is_not_stuck(waits):
     """The checkpoint of step 8 takes rank 0 40 s to write, twice collective_timeout=20 s: the
     others wait for it (parallel.wait_for_all) and the run ends normally, its log whole. (Waiting in
     a collective instead, they would give up 20 s before the write ends.)"""
-    slow = {"SLOW_STEP": "8", "SLOW_WRITE_S": str(2 * TIMEOUT)}
-    r = launch(FAULTS, tmp_path, argv(data, tmp_path / "log", *WAITS), 2, slow)
+    log, r = waits["slow_write"]
     assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(read_log(tmp_path / "log")["train"]) == list(range(12))
-    assert os.path.exists(tmp_path / "log" / "model_00012.pt")
+    assert since("rank 0 writes slowly", r) > 2 * TIMEOUT  # the write did take that long
+    assert sorted(read_log(log)["train"]) == list(range(12))
+    assert os.path.exists(log / "model_00012.pt")
 
 
-def test_rank_0_hung_in_a_checkpoint_write_ends_the_run_after_wait_for_all_timeout(data, tmp_path):
+@waiting
+def test_rank_0_hung_in_a_checkpoint_write_ends_the_run_after_wait_for_all_timeout(waits):
     """Issue 36.3: rank 0's write of the last checkpoint (step 12) hangs, as on a hung NFS server:
     rank 1 waits for it through the process group's store up to parallel.WAIT_FOR_ALL_TIMEOUT
     (hours; 20 s here), then ends the run with one line naming that bound, exit 1; the checkpoint
     of step 8 stands, whole, for the next start. (Before: a gloo barrier that waited 7 days.)"""
     from gptkit import checkpoint
-    hang = {"SLOW_STEP": "12", "SLOW_WRITE_S": "100000", "WAIT_FOR_ALL_S": str(TIMEOUT)}
-    r = launch(FAULTS, tmp_path, argv(data, tmp_path / "log", *WAITS), 2, hang, timeout=150)
+    log, r = waits["hung_write"]
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
     assert TIMEOUT - 1 < since("rank 0 writes slowly", r) < TIMEOUT + 60
     assert errors(r) == [gave_up(1, f"WAIT_FOR_ALL_TIMEOUT={TIMEOUT}")], r.stderr[-3000:]
-    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "log")] == [8]
-    assert checkpoint.pick_checkpoint(tmp_path / "log")[0] == 8  # it loads, its checksum whole
+    assert [s for s, _ in checkpoint.list_checkpoints(log)] == [8]
+    assert checkpoint.pick_checkpoint(log)[0] == 8  # it loads, its checksum whole
 
 
-def test_a_rank_slow_in_its_first_eval_and_step_does_not_end_the_run(data, tmp_path):
+@waiting
+def test_a_rank_slow_in_its_first_eval_and_step_does_not_end_the_run(waits):
     """Issue 36.4: rank 1 takes 12.5 s longer than rank 0 in its first eval and again in its first
     step, as a cold compile cache on one node makes them: 2.5 x collective_timeout=10 s in all, each
     delay past it. Until the first step is done the ranks wait up to parallel.FIRST_STEP_TIMEOUT,
     then collective_timeout; the run ends as one without the delay does, with the same losses."""
-    timeout = 10
-    run_args = ["--max_steps=6", "--eval_interval=3", "--checkpoint_interval=0",
-                f"--collective_timeout={timeout}"]
-    (tmp_path / "plain.py").write_text(FAULTS)  # the run without the delay, meanwhile: no wall time added
-    plain = forked.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(tmp_path / "plain.py"), *argv(data, tmp_path / "plain", *run_args)], cwd=ROOT,
-                         env=one_thread(PYTHONUNBUFFERED="1", PYTHONPATH=ROOT), stdout=forked.PIPE,
-                         stderr=forked.PIPE, text=True)
-    slow = {"SLOW_RANK": "1", "SLOW_FIRST_S": str(timeout * 1.25)}
-    r = launch(FAULTS, tmp_path, argv(data, tmp_path / "slow", *run_args), 2, slow)
-    out, err = plain.communicate(timeout=300)
-    assert plain.returncode == 0, err[-3000:]
+    (plain_log, plain), (slow_log, r) = waits["plain"], waits["slow_first"]
+    assert plain.returncode == 0, plain.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("rank 1 compiles slowly") == 2
-    a, b = read_log(tmp_path / "plain"), read_log(tmp_path / "slow")
+    a, b = read_log(plain_log), read_log(slow_log)
     assert sorted(b["train"]) == list(range(6)) and sorted(b["val"]) == [0, 3, 6]
     assert a == b
 
