@@ -10,13 +10,11 @@ context. acc picks the ending of lowest summed loss, acc_norm the lowest mean lo
 Rows are rendered as build-nanogpt renders them (context tokens, then " " + ending tokens), so the
 figures compare with its published ones.
 """
-import contextlib
 import json
 import os
 
 import torch
 
-from gptkit import cpu
 from gptkit.common import UserError, atomic_write
 from gptkit.hardware import autocast, pick_device
 from gptkit.tokenizer import N_VOCAB, get_gpt2_encoding
@@ -140,8 +138,6 @@ def batch_losses(model, x, seg, pos, at, y):
     sees = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (E, L, L): context, or its own
     h = model.hidden_states(x, pos=pos, mask=(sees & causal)[:, None])  # (E, L, n_embd)
     h = h.flatten(0, 1)[at]  # (M, n_embd): the output layer runs only where an ending token is next
-    if h.is_cpu:  # the CPU's way: the vocabulary in blocks that stay in cache (gptkit/cpu.py)
-        return cpu.token_losses(h, model.lm_head.weight, y)
     logits = model.lm_head(h).float()  # (M, vocab)
     return torch.logsumexp(logits, dim=1) - logits.gather(1, y[:, None])[:, 0]
 
@@ -153,8 +149,7 @@ def ending_losses(model, prepared, dtype="float32", compile=False):
     (batches, labels), device = prepared, model.lm_head.weight.device
     f = torch.compile(batch_losses, dynamic=False) if compile else batch_losses  # one graph: dynamo keeps it
     sums = torch.zeros(2, 4 * len(labels) + 1, device=device)  # per row: summed losses, scored tokens
-    faster = contextlib.nullcontext() if compile else cpu.blocks_through_onednn(model)  # CPU, float32: oneDNN
-    with autocast(device, dtype), faster:
+    with autocast(device, dtype):
         for *batch, row in batches:
             losses = f(model, *batch)
             sums.index_add_(1, row, torch.stack((losses, torch.ones_like(losses))))
@@ -252,7 +247,8 @@ def main(argv=None):
     except UserError as e:
         sys.exit(f"error: {e}")
     if device == 'cpu':
-        cpu.reuse_freed_memory()  # no page faults per forward (docs/benchmarks.md)
+        from gptkit.cpu import reuse_freed_memory
+        reuse_freed_memory()  # no page faults per forward (docs/benchmarks.md)
     try:
         model = load_model(args.model, device)
     except (UserError, ValueError, OSError) as e:

@@ -24,8 +24,7 @@ import sys
 from gptkit.common import UserError, atomic_write
 from gptkit.shards import is_fineweb_edu
 
-KINDS = ('train', 'val', 'bpb', 'hella', 'epoch')  # epoch: '{step} epoch {n}' where epoch n begins
-IGNORED = ('skip', 'overflow')  # the trainer's rare event lines: not curves
+KINDS = ('train', 'val', 'bpb', 'hella', 'epoch')  # drawn; epoch: '{step} epoch {n}' where epoch n begins
 # the reference lines of each panel. loss: GPT-2's val loss on FineWeb-Edu's val shard, drawn only over
 # FineWeb-Edu runs; hella 0.2955: build-nanogpt's hellaswag.py on the 10,042 val examples (its notebook
 # draws 0.2945)
@@ -35,8 +34,9 @@ TITLES = {'loss': 'loss', 'bpb': 'val bits per byte', 'hella': 'HellaSwag acc_no
 
 
 def read_log(log_dir):
-    """{kind: ([steps], [values])} from log_dir/log.txt; unparsable lines are skipped with a
-    warning that names them."""
+    """{kind: ([steps], [values])} of KINDS from log_dir/log.txt. Lines of other kinds (skip,
+    overflow, whatever a user's trainer adds) are passed over quietly; unparsable ones with a warning
+    that names them."""
     path = os.path.join(log_dir, 'log.txt')
     if not os.path.isdir(log_dir):
         raise UserError(f"{log_dir}: no such folder")
@@ -49,11 +49,9 @@ def read_log(log_dir):
                 step, kind, value = line.split()  # a ValueError unless three words
                 step = int(step)
                 value = float(value)
-                if kind not in KINDS + IGNORED:
-                    raise ValueError
             except ValueError:
                 if line.strip():
-                    print(f"warning: {path}:{lineno}: not a '<step> train|val|bpb|hella <value>' line, "
+                    print(f"warning: {path}:{lineno}: not a '<step> <kind> <value>' line, "
                           f"skipped: {line.strip()[:80]!r}", file=sys.stderr)
                 continue
             if kind in KINDS:

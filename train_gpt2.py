@@ -94,6 +94,33 @@ config = parse_config(sys.argv[1:], DEFAULTS, __doc__)  # config files, then --k
 globals().update(config)  # the constants as overridden, for the rest of the script
 
 # -----------------------------------------------------------------------------
+# the learning rate schedule: one function and the list of its schedules, checked before anything starts
+
+def get_lr(it):
+    """The learning rate of step it, a function of the step and the constants alone (a resumed run
+    continues it): a linear warmup over warmup_steps, then lr_schedule: "cosine" decays to min_lr at
+    max_steps (build-nanogpt's); "wsd" stays at max_lr, then decays over the last decay_frac of
+    max_steps, "linear" or "1-sqrt" in shape (raising max_steps before the decay began moves it later)."""
+    if it < warmup_steps:  # never exactly 0
+        return max_lr * (it + 1) / warmup_steps
+    if it >= max_steps:
+        return min_lr
+    if lr_schedule == 'cosine':
+        ratio = (it - warmup_steps) / max(1, max_steps - warmup_steps)
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
+    decay_steps = max(1, round(decay_frac * max_steps))
+    progress = (it - (max_steps - decay_steps)) / decay_steps  # <= 0 in the stable phase, 1 at max_steps
+    if progress <= 0:
+        return max_lr
+    return max_lr - (progress if decay_shape == 'linear' else math.sqrt(progress)) * (max_lr - min_lr)
+
+
+LR_SCHEDULES = ('cosine', 'wsd')  # get_lr's: a new schedule is a branch there and its name here
+if lr_schedule not in LR_SCHEDULES:
+    raise UserError(f"config key 'lr_schedule' must be {' or '.join(map(repr, LR_SCHEDULES))}, "
+                    f"got {lr_schedule!r}")
+
+# -----------------------------------------------------------------------------
 # DDP setup: torchrun starts one process per device and tells each who it is (RANK, LOCAL_RANK,
 # WORLD_SIZE); plain `python` is a world of one. Every rank runs all of this script.
 ddp = 'RANK' in os.environ
@@ -174,6 +201,7 @@ optimizer = raw_model.configure_optimizers(weight_decay, max_lr, device_type, op
                                            muon_momentum)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')  # a no-op unless float16
 step, evaluated, bad_steps = 0, False, 0  # updates done; the evals of `step` done; non-finite steps in a row
+logs = {}  # the bytes of log.txt and samples.txt that this run keeps: none when it starts afresh
 if ckpt is not None:  # everything save_checkpoint (below) wrote, back in its place
     opt_state = dict(ckpt['optimizer'], param_groups=optimizer.state_dict()['param_groups'])  # our settings
     if sharded:
@@ -188,6 +216,7 @@ if ckpt is not None:  # everything save_checkpoint (below) wrote, back in its pl
     train_loader.load_state(ckpt['loader'], ckpt_path)
     checkpoint.set_rng_state(ckpt['rng'], device)
     step, evaluated, bad_steps = ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
+    logs = ckpt.get('logs')  # as they were when it was written (checkpoint.save); None in older ones
     del ckpt  # the memory map
     if master_process:
         print(f"resuming from {ckpt_path}: step {step}, train data at {train_loader.state()['file']} "
@@ -225,7 +254,7 @@ if master_process:
     epochs = max_steps / train_loader.steps_per_epoch
     print(f"train data: {train_loader.n_tokens:,} tokens, {train_loader.steps_per_epoch:,} steps per epoch "
           f"at {total_batch_size:,} tokens per step; max_steps={max_steps} is {epochs:.2f} epochs")
-    checkpoint.prepare_log_dir(log_dir, step, evaluated)
+    checkpoint.prepare_log_dir(log_dir, logs, step)  # lines after the checkpoint go
     if wandb_log:
         run_record.wandb_start(config, log_dir)
 run_record.write(log_dir, dict(config, B=B, micro_batch=why_B), step, ckpt_path, device)
@@ -234,25 +263,6 @@ peak, peak_from = peak_flops(device, dtype)  # MFU: model FLOPs per second over 
 if master_process:
     print(f"mfu: against {peak / 1e12:.4g} TFLOP/s per process ({peak_from}), "
           f"{flops_per_tok / 1e6:.4g} MFLOP per token" if peak else f"mfu: {peak_from}")
-
-
-def get_lr(it):
-    """The learning rate of step it, a function of the step and the constants alone (a resumed run
-    continues it): a linear warmup over warmup_steps, then lr_schedule: "cosine" decays to min_lr at
-    max_steps (build-nanogpt's); "wsd" stays at max_lr, then decays over the last decay_frac of
-    max_steps, "linear" or "1-sqrt" in shape (raising max_steps before the decay began moves it later)."""
-    if it < warmup_steps:  # never exactly 0
-        return max_lr * (it + 1) / warmup_steps
-    if it >= max_steps:
-        return min_lr
-    if lr_schedule == 'cosine':
-        ratio = (it - warmup_steps) / max(1, max_steps - warmup_steps)
-        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
-    decay_steps = max(1, round(decay_frac * max_steps))
-    progress = (it - (max_steps - decay_steps)) / decay_steps  # <= 0 in the stable phase, 1 at max_steps
-    if progress <= 0:
-        return max_lr
-    return max_lr - (progress if decay_shape == 'linear' else math.sqrt(progress)) * (max_lr - min_lr)
 
 
 def save_checkpoint(val_loss):

@@ -30,6 +30,7 @@ from model import GPT, GPTConfig
 
 RESUME_KEYS = ('model', 'optimizer', 'config', 'train_config', 'step', 'evaluated', 'loader', 'rng',
                'bad_steps', 'checksum')
+LOGS = ('log.txt', 'samples.txt')  # rank 0's lines in log_dir, cut back to a checkpoint's on resume
 EXIT_PREEMPTED = 75  # SIGTERM or Ctrl-C: checkpoint written, run the same command again (EX_TEMPFAIL)
 
 
@@ -286,11 +287,13 @@ def save(ckpt, log_dir, keep_checkpoints):
         host = to_host(ckpt)
         host['checksum'] = checksum(ckpt)
         path = os.path.join(log_dir, f"model_{ckpt['step']:05d}.pt")
-        for name in ('log.txt', 'samples.txt'):  # the lines the checkpoint vouches for reach the disk first
+        host['logs'] = {}  # the bytes of each log a resume keeps (prepare_log_dir)
+        for name in LOGS:  # the lines the checkpoint vouches for reach the disk first
             log_file = os.path.join(log_dir, name)
             if os.path.exists(log_file):
                 with open(log_file, 'a') as f:
                     os.fsync(f.fileno())
+                host['logs'][name] = os.path.getsize(log_file)
         try:  # temporary file, fsync, rename: a checkpoint is whole or absent
             atomic_write(path, lambda f: torch.save(host, f))
         except (OSError, RuntimeError) as e:
@@ -331,25 +334,26 @@ def resumed_model_config(ckpt, path, config):
     return GPTConfig.from_dict(have)
 
 
-def prepare_log_dir(log_dir, start, evaluated):
-    """Rank 0, before the first step: remove a checkpoint write that a crash cut short, and the log
-    lines a crashed run wrote after its checkpoint (all of them for a fresh run). No step is logged
-    twice; the val/bpb/hella lines and samples of the checkpoint's own step stay when it has them.
-    Each file is rewritten atomically, so that the resumed run writes the dropped lines again."""
+def prepare_log_dir(log_dir, logs, start):
+    """Rank 0, before the first step: remove a checkpoint write that a crash cut short, and cut
+    log.txt and samples.txt back to the bytes they held when the checkpoint was written (logs: {name:
+    bytes}, as save kept them; {} for a fresh run): the lines a crashed run wrote after its checkpoint
+    go, whatever they hold, and the resumed run writes them again. A checkpoint older than the sizes
+    (logs None) keeps the lines of the steps before its own, start. Each file is rewritten atomically."""
     os.makedirs(log_dir, exist_ok=True)
     for tmp in glob.glob(os.path.join(glob.escape(log_dir), 'model_*.pt.tmp*')):
         os.remove(tmp)
-    # Each line starts with its step (group 1), then, in the lines of an eval, what it holds (group 2).
-    # A line stays when its step comes before start, or when it is an eval's line of start itself and
-    # start's evals are done. A line that a crash cut short has no '\n'.
-    starts = {'log.txt': r'(\d+) (val |bpb |hella )?', 'samples.txt': r'step (\d+) (sample )?'}
-    for name, line_start in starts.items():
+    for name in LOGS:
         path = os.path.join(log_dir, name)
         if os.path.exists(path):
-            with open(path) as f:
-                kept = [line for line in f if line.endswith('\n') and (m := re.match(line_start, line)) and (
-                    int(m[1]) < start or int(m[1]) == start and evaluated and m[2])]
-            atomic_write(path, lambda f: f.write(''.join(kept).encode()))
+            with open(path, 'rb') as f:
+                text = f.read()
+            if logs is not None:
+                kept = text[:logs.get(name, 0)]
+            else:  # each line starts with its step ('12 val ...', 'step 12 sample ...')
+                kept = b''.join(line for line in text.splitlines(keepends=True) if line.endswith(b'\n')
+                                and (m := re.match(rb'\D*(\d+)', line)) and int(m[1]) < start)
+            atomic_write(path, lambda f: f.write(kept))
 
 # -----------------------------------------------------------------------------
 # one run per log_dir: rank 0 holds a POSIX record lock on log_dir/run.lock while the run lasts

@@ -132,8 +132,8 @@ def accumulation_steps(total_batch_size, B, T, world):
                     f"or {try_instead}")
 
 
-# the constants that take one of a few values
-CHOICES = {'parallel': ('ddp', 'fsdp'), 'lr_schedule': ('cosine', 'wsd'), 'decay_shape': ('linear', '1-sqrt'),
+# the constants that take one of a few values (lr_schedule: train_gpt2.py's LR_SCHEDULES, beside get_lr)
+CHOICES = {'parallel': ('ddp', 'fsdp'), 'decay_shape': ('linear', '1-sqrt'),
            'optimizer': ('adamw', 'muon'), 'resume': ('auto', 'never'),
            'dtype': ('auto', *sorted(PRECISIONS)), 'compile': (True, False, 'auto')}
 

@@ -3,15 +3,12 @@ The CPU's own speed tricks, in one place: a GPU never runs any of this, and none
 is computed, only how fast a CPU computes it (docs/benchmarks.md has the figures). The trainer and
 the tools call each in one line that says it is for the CPU.
 """
-import contextlib
 import ctypes
-import functools
 import os
 import sys
 import tempfile
 
 import torch
-import torch.nn as nn
 from torch.nn import functional as F
 
 # torch.compile's kernel cache does not tell a process whose ATen kernels are forced to one CPU
@@ -95,51 +92,3 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_w = grad.t() @ (h.to(grad.dtype) * scale)  # (V, C)
         return grad_h.to(h.dtype), grad_w.to(weight.dtype), None
 
-
-# -----------------------------------------------------------------------------
-# HellaSwag's scoring (hellaswag.py), in float32 on a CPU
-
-# torch.compile's CPU linear (oneDNN); absent from some builds
-ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, '_linear_pointwise')
-
-
-def onednn_linear(x, weight, bias=None):
-    """F.linear(x, weight, bias) through oneDNN: on CPU in float32 only."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-def onednn_applies(weight):
-    """Whether a float32 matmul with weight can go through oneDNN: on a CPU, in float32, outside
-    autocast (which would make it bf16) and outside torch.compile (which cannot trace it)."""
-    return (ONEDNN_LINEAR and weight.is_cpu and weight.dtype == torch.float32
-            and not torch.is_autocast_enabled('cpu') and not torch.compiler.is_compiling())
-
-
-@contextlib.contextmanager
-def blocks_through_onednn(model):
-    """Within it, the nn.Linear layers of the model's blocks multiply through oneDNN when the model
-    is on a CPU in float32 (elsewhere nothing changes): HellaSwag scores faster than with torch's
-    default float32 matmul (MKL, which keeps to AVX2 on AMD CPUs). The GELU stays the model's own
-    pass (oneDNN's fused GELU epilogue was no faster). The layers' own forward is back on the way
-    out."""
-    on = onednn_applies(model.lm_head.weight)
-    layers = [m for m in model.transformer.h.modules() if isinstance(m, nn.Linear)] if on else []
-    try:
-        for layer in layers:  # the instance's forward, before the class's
-            layer.forward = functools.partial(onednn_linear, weight=layer.weight, bias=layer.bias)
-        yield
-    finally:
-        for layer in layers:
-            del layer.forward
-
-
-def token_losses(h, weight, targets):
-    """-log p(targets[i]) from the output layer (weight, no bias) applied to h[i], in float32. In
-    float32 the matmul goes through oneDNN (faster than MKL, torch's default). The logits go 1024
-    words of the vocabulary at a time, each (N, 1024) block in cache from the matmul through its
-    log-sum-exp, never all N x vocab of them in memory; a target's logit is its row of weight
-    times h."""
-    linear = onednn_linear if onednn_applies(weight) else F.linear
-    lse = torch.stack([torch.logsumexp(linear(h, weight[v:v + 1024]).float(), dim=1)
-                       for v in range(0, weight.size(0), 1024)], dim=1)  # (N, blocks)
-    return torch.logsumexp(lse, dim=1) - (h.float() * weight[targets].float()).sum(1)

@@ -82,7 +82,7 @@ QUICK = {
     "test_forked.py": ["test_what_a_fork_cannot", "test_a_timeout", "test_a_fork_ends_with"],
     "test_fineweb.py": ["test_glob_max_tokens", "test_interrupted_then_rerun", "test_error_paths"],
     "test_hellaswag.py": ["test_render_example", "test_bad_lines", "test_download", "test_synthetic_examples",
-                          "test_load_for_training", "test_onednn_routing", "test_long_examples"],
+                          "test_load_for_training", "test_long_examples"],
     "test_layout.py": ["test_"],
     "test_log_dir.py": ["test_a_refused", "test_a_lock_on", "test_a_start_that"],
     "test_memory.py": ["test_bad_B", "test_on_the_cpu_auto",

@@ -83,7 +83,6 @@ def test_overrides_parse_as_literals_and_keep_types(tmp_path):
     (["--B=True"], r"config key 'B' must be 'auto' or a number of sequences, got True"),
     (["--B=big"], r"config key 'B' must be 'auto' or a number of sequences, got 'big'"),
     (["--parallel=zero"], r"config key 'parallel' must be 'ddp' or 'fsdp', got 'zero'"),
-    (["--lr_schedule=linear"], r"config key 'lr_schedule' must be 'cosine' or 'wsd', got 'linear'"),
     (["--optimizer=sgd"], r"config key 'optimizer' must be 'adamw' or 'muon', got 'sgd'"),
     (["--val_tokens=100", "--T=128", "--block_size=128"],
      r"val_tokens=100 is less than one sequence of T=128"),

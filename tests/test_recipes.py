@@ -128,9 +128,12 @@ def test_wsd_resumes_in_its_stable_phase_with_a_raised_max_steps(muon1, data, tm
 
 
 def test_configured_schedule_and_optimizer_are_checked():
-    r = run_script(["--device=cpu", "--lr_schedule=linear"])
+    """A schedule get_lr does not have, or a bad decay, is one line before anything starts (no data
+    folder is looked for: there is none here)."""
+    r = run_script(["--device=cpu", "--lr_schedule=no_such_schedule"])
     assert r.returncode == 1
-    assert "config key 'lr_schedule' must be 'cosine' or 'wsd', got 'linear'" in r.stderr
+    assert r.stderr.startswith("error: config key 'lr_schedule' must be ") and \
+        r.stderr.endswith(", got 'no_such_schedule'\n"), r.stderr
     r = run_script(["--device=cpu", "--decay_frac=0"])
     assert r.returncode == 1 and "config key 'decay_frac' must be in (0, 1], got 0.0" in r.stderr
 

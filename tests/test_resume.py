@@ -688,3 +688,52 @@ def test_a_log_dir_without_locks_warns_and_runs(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"warning: cannot lock {tmp_path / 'log' / 'run.lock'}" in out
     assert "Function not implemented" in out
+
+
+# --- log lines of any kind ----------------------------------------------------------------------
+
+EXTRA_KIND = """
+import runpy, sys
+from gptkit import run_record
+log = run_record.log
+def log_more(log_dir, line):  # a kind of line that a user's trainer adds, after each val line
+    log(log_dir, line)
+    step, kind, _ = line.split()
+    if kind == 'val':
+        log(log_dir, f"{step} top1 0.{step}")
+run_record.log = log_more
+sys.argv[0] = 'train_gpt2.py'
+runpy.run_path('train_gpt2.py', run_name='__main__')
+"""
+
+
+def test_a_log_kind_the_trainer_adds_is_kept_across_a_resume(data, tmp_path):
+    """Issue 43.1: a line of a kind that no other file knows, written at an eval step before its
+    checkpoint, survives a crash after that checkpoint: the resumed run's log.txt is the
+    uninterrupted run's, byte for byte (log.txt is cut back to its size at the checkpoint)."""
+    (tmp_path / "extra.py").write_text(EXTRA_KIND)
+    short = ["--max_steps=40", "--checkpoint_interval=20"]
+    r = run_script(args(data, tmp_path / "whole", *short), script=str(tmp_path / "extra.py"), PYTHONPATH=ROOT)
+    assert r.returncode == 0, r.stderr
+    whole = (tmp_path / "whole" / "log.txt").read_text()
+    assert "\n20 top1 0.20\n" in whole
+    copy_checkpoint(tmp_path / "whole", tmp_path / "resumed", 20)  # and the log after it, cut short
+    r = run_script(args(data, tmp_path / "resumed", *short), script=str(tmp_path / "extra.py"),
+                   PYTHONPATH=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "resumed" / "log.txt").read_text() == whole
+
+
+def test_a_checkpoint_without_log_sizes_keeps_the_lines_before_its_step(tmp_path):
+    """A checkpoint written before log sizes were kept: the lines of the steps before its own stay,
+    whatever their kind, and a line cut short goes."""
+    from gptkit.checkpoint import prepare_log_dir
+    (tmp_path / "log.txt").write_text("0 val 4.1\n0 top1 0.1\n0 train 4.0\n1 train 3.9\n2 val 3.8\n"
+                                      "2 top1 0.2\n2 tr")
+    (tmp_path / "samples.txt").write_text("step 0 sample 0: 'a'\nstep 2 sample 0: 'b'\n")
+    prepare_log_dir(str(tmp_path), None, 2)
+    assert (tmp_path / "log.txt").read_text() == "0 val 4.1\n0 top1 0.1\n0 train 4.0\n1 train 3.9\n"
+    assert (tmp_path / "samples.txt").read_text() == "step 0 sample 0: 'a'\n"
+    prepare_log_dir(str(tmp_path), {"log.txt": 10}, 2)  # a checkpoint's sizes; none for samples.txt
+    assert (tmp_path / "log.txt").read_text() == "0 val 4.1\n"
+    assert (tmp_path / "samples.txt").read_text() == ""

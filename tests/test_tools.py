@@ -125,9 +125,8 @@ def test_wandb_offline_logs_what_log_txt_has(tmp_path):
     for record in wandb_records(path):
         if record.WhichOneof("record_type") == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-            for kind in ("train", "val", "bpb", "hella", "skip", "overflow"):
-                if kind in items:
-                    logged.setdefault(kind, {})[items["_step"]] = items[kind]
+            for kind in (k for k in items if not k.startswith("_")):  # W&B's own keys start with _
+                logged.setdefault(kind, {})[items["_step"]] = items[kind]
         elif record.WhichOneof("record_type") == "run":
             runs.append(record.run)
     assert logged == read_log(log_dir) and set(logged["train"]) == {0, 1, 2, 3}
@@ -201,6 +200,17 @@ def test_plot_build_nanogpt_log_and_two_runs(run, tmp_path, capsys):
     assert {"log val", "nanogpt_run val", "log train (smoothed)", "nanogpt_run train (smoothed)"} <= \
         set(loss_lines)
     assert "nanogpt_run" in hella_lines
+
+
+def test_plot_passes_over_kinds_it_does_not_draw(tmp_path, capsys):
+    """Issue 43.1: a kind of line that plot.py does not draw (one a user's trainer adds, or skip) is
+    passed over without a word; the curves it knows are read as without it."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "log.txt").write_text("0 val 10.9863\n0 top1 0.25\n0 train 10.955424\n1 skip 1\n")
+    curves = plot.read_log(str(tmp_path / "a"))
+    assert capsys.readouterr().err == ""
+    assert curves["val"] == ([0], [10.9863]) and curves["train"] == ([0], [10.955424])
+    assert "top1" not in curves and "skip" not in curves
 
 
 def test_recipes_md_commands_train_each_recipe_and_overlay_them(tmp_path):
