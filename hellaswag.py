@@ -147,6 +147,7 @@ def ending_losses(model, prepared, dtype="float32", compile=False):
     """(sum, mean) losses of every ending of prepare's output (on the model's device), 4 per example
     in its order: each ending token's cross-entropy after the tokens before it, in float32."""
     (batches, labels), device = prepared, model.lm_head.weight.device
+    model.eval()  # no dropout, whatever mode the model came in (the trainer's step sets train mode)
     f = torch.compile(batch_losses, dynamic=False) if compile else batch_losses  # one graph: dynamo keeps it
     sums = torch.zeros(2, 4 * len(labels) + 1, device=device)  # per row: summed losses, scored tokens
     with autocast(device, dtype):

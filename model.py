@@ -85,13 +85,25 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, mask=None, kv_cache=None, start_pos=0):
-        x = x + self.attn(self.ln_1(x), mask, kv_cache, start_pos)
-        x = x + self.mlp(self.ln_2(x))
+    def forward(self, x, mask=None, kv_cache=None, start_pos=0, drop=None):
+        # drop(y, j): dropout of residual branch j's output in training (GPT.drop); None: no dropout
+        drop = drop or (lambda y, j: y)
+        x = x + drop(self.attn(self.ln_1(x), mask, kv_cache, start_pos), 0)
+        x = x + drop(self.mlp(self.ln_2(x)), 1)
         return x
 
 
+def hash32(x):
+    """A hash of each value of an int64 tensor (its low 32 bits), into [0, 2**32): the same bits on
+    every device, eager or compiled (no product reaches 2**63)."""
+    x = x & 0xFFFFFFFF
+    for _ in range(2):
+        x = (x ^ (x >> 16)) * 0x45D9F3B & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
 class GPT(nn.Module):
+    dropout = 0.0  # the fraction of activations dropped in training: the trainer's setting, not the shape
 
     def __init__(self, config):
         super().__init__()
@@ -117,11 +129,28 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def hidden_states(self, idx, kv_cache=None, start_pos=0, pos=None, mask=None):
+    def drop(self, x, keys, site):
+        """x (B, ...) with a fraction self.dropout of its values zeroed and the rest scaled up, in
+        training. Sequence b's mask is a function of keys[b] (int64) and the site alone: the same
+        whatever else the batch holds, on any device, eager or compiled (the trainer's keys: the
+        seed, the step and the sequence's place in it; without keys, torch's generator draws them).
+        Attention weights are not dropped: SDPA draws their masks from the batch as a whole."""
+        if not self.training or self.dropout == 0:
+            return x
+        if keys is None:
+            keys = torch.randint(2 ** 62, (x.size(0),), device=x.device)
+        key = hash32(hash32(hash32(keys >> 32) + keys) + site).view(-1, *[1] * (x.dim() - 1))  # (B, 1, ..)
+        place = torch.arange(x[0].numel(), device=x.device).view(x.shape[1:])  # < 2**27 in x[b]
+        where = (key << 27) + place  # one number per (sequence, value)
+        keep = hash32(hash32(where >> 32) + where) >= round(self.dropout * 2 ** 32)
+        return x * keep / (1 - self.dropout)
+
+    def hidden_states(self, idx, kv_cache=None, start_pos=0, pos=None, mask=None, dropout_keys=None):
         """The final hidden states (B, T, n_embd), before the output layer. idx: (B, T) token ids;
         kv_cache: None, or per layer a (2, B, nh, L, hs) buffer, L >= start_pos + T (see generate).
         Sequences that pack several texts (hellaswag.py: a context, then its endings) give their own
-        positions pos (B, T) and attention mask (B, 1, T, T): which keys each query sees."""
+        positions pos (B, T) and attention mask (B, 1, T, T): which keys each query sees. In training
+        with dropout, dropout_keys (B,) int64 draw each sequence's masks (drop)."""
         B, T = idx.size()
         if pos is None and start_pos + T > self.config.block_size:
             raise ValueError(f"sequence of length {start_pos + T} is longer than "
@@ -131,14 +160,16 @@ class GPT(nn.Module):
         if mask is None and start_pos > 0:  # the T new queries see every cached key before them
             mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=idx.device).tril(start_pos)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
-        for i, block in enumerate(self.transformer.h):
-            x = block(x, mask, None if kv_cache is None else kv_cache[i], start_pos)
+        x = self.drop(x, dropout_keys, 0)
+        for i, block in enumerate(self.transformer.h):  # block i's dropout sites: 1 + 2i and 2 + 2i
+            drop = lambda y, j, i=i: self.drop(y, dropout_keys, 1 + 2 * i + j)  # noqa: E731
+            x = block(x, mask, None if kv_cache is None else kv_cache[i], start_pos, drop)
         return self.transformer.ln_f(x)
 
-    def forward(self, idx, targets=None, kv_cache=None, start_pos=0, reduction='mean'):
+    def forward(self, idx, targets=None, kv_cache=None, start_pos=0, reduction='mean', dropout_keys=None):
         # idx: (B, T) token ids; targets: (B, T) or None, -1 where nothing is to be predicted;
-        # reduction='none': the loss of each target, (B, T), 0 where it is -1
-        h = self.hidden_states(idx, kv_cache, start_pos)  # (B, T, n_embd)
+        # reduction='none': the loss of each target, (B, T), 0 where it is -1; dropout_keys: see drop
+        h = self.hidden_states(idx, kv_cache, start_pos, dropout_keys=dropout_keys)  # (B, T, n_embd)
         logits = self.lm_head(h)  # (B, T, vocab_size)
         loss = None
         if targets is not None:

@@ -62,6 +62,7 @@ decay_shape = "linear"  # wsd: "linear" or "1-sqrt"
 optimizer = "adamw"  # "adamw", or "muon": Muon for the blocks' weight matrices, AdamW for the rest
 muon_lr = 1.8e-3  # muon: its peak lr, 3x max_lr (the quick start's best, docs/recipes.md), scheduled alike
 muon_momentum = 0.95  # muon: Nesterov momentum
+dropout = 0.0  # for finetuning: the fraction of activations dropped in training (GPT-2 pretrained with none)
 # evaluation, samples, checkpoints (every N steps and at the last step; 0 turns it off)
 eval_interval = 250  # val loss, bits per byte and HellaSwag
 val_tokens = 10485760  # first 10M tokens of the val split, whatever the number of processes
@@ -171,6 +172,7 @@ else:  # each node's first process downloads into its HF cache while the others 
         raise UserError(f"init_from={init_from!r}: {e}") from None
     if master_process:
         print(f"init_from={init_from}: model shape from the weights: {raw_model.config}")
+raw_model.dropout = dropout  # not the model's shape: a resume or init_from may set another
 if T > raw_model.config.block_size:
     raise UserError(f"T={T} is longer than the model's block_size={raw_model.config.block_size}")
 why_B = None
@@ -216,7 +218,7 @@ if ckpt is not None:  # everything save_checkpoint (below) wrote, back in its pl
     train_loader.load_state(ckpt['loader'], ckpt_path)
     checkpoint.set_rng_state(ckpt['rng'], device)
     step, evaluated, bad_steps = ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
-    logs = ckpt.get('logs')  # as they were when it was written (checkpoint.save); None in older ones
+    logs = ckpt.get('logs')  # log_dir's logs as they were when it was written; None in older ones
     del ckpt  # the memory map
     if master_process:
         print(f"resuming from {ckpt_path}: step {step}, train data at {train_loader.state()['file']} "
@@ -278,7 +280,7 @@ def save_checkpoint(val_loss):
         ckpt = {'model': model_state, 'optimizer': optimizer_state, 'config': asdict(raw_model.config),
                 'train_config': config, 'step': step, 'val_loss': val_loss, 'evaluated': evaluated,
                 'loader': train_loader.state(), 'rng': checkpoint.rng_state(device), 'bad_steps': bad_steps,
-                'scaler': scaler.state_dict()}
+                'scaler': scaler.state_dict(), 'logs': checkpoint.log_sizes(log_dir)}
     checkpoint.save(ckpt, log_dir, keep_checkpoints)
 
 
@@ -375,6 +377,7 @@ for step in range(start_step, max_steps + 1):
     model.train()
     optimizer.zero_grad(set_to_none=not isinstance(model, DDP))  # DDP: zeroed in place, in its buckets
     loss_accum = torch.zeros((), device=device)
+    drop_base = (seed * 1_000_003 + step) % 2 ** 31 << 32  # dropout's masks: from the seed and the step, ...
     for micro_step in range(grad_accum_steps):
         x, y = train_loader.next_batch()
         if cuda:  # from pinned memory the copy runs without the host waiting for it
@@ -386,8 +389,11 @@ for step in range(start_step, max_steps + 1):
             model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
         if sharded:
             raw_model.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
+        # ... and each sequence's place in the step, whatever the ranks and micro-steps (model.py: GPT.drop)
+        place = (micro_step * world_size + rank) * B  # of this micro-batch's first sequence
+        keys = torch.arange(place, place + B, device=device) + drop_base if dropout > 0 else None
         with autocast(device, dtype):
-            _, loss = model(x, y)
+            _, loss = model(x, y, dropout_keys=keys)
         loss = loss / grad_accum_steps  # the gradient of the mean over all micro-batches
         loss_accum += loss.detach()
         scaler.scale(loss).backward()  # float16: the loss scaled up so that small gradients survive

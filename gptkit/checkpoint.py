@@ -287,13 +287,9 @@ def save(ckpt, log_dir, keep_checkpoints):
         host = to_host(ckpt)
         host['checksum'] = checksum(ckpt)
         path = os.path.join(log_dir, f"model_{ckpt['step']:05d}.pt")
-        host['logs'] = {}  # the bytes of each log a resume keeps (prepare_log_dir)
-        for name in LOGS:  # the lines the checkpoint vouches for reach the disk first
-            log_file = os.path.join(log_dir, name)
-            if os.path.exists(log_file):
-                with open(log_file, 'a') as f:
-                    os.fsync(f.fileno())
-                host['logs'][name] = os.path.getsize(log_file)
+        for name in ckpt.get('logs', ()):  # the lines the checkpoint vouches for reach the disk first
+            with open(os.path.join(log_dir, name), 'a') as f:
+                os.fsync(f.fileno())
         try:  # temporary file, fsync, rename: a checkpoint is whole or absent
             atomic_write(path, lambda f: torch.save(host, f))
         except (OSError, RuntimeError) as e:
@@ -334,10 +330,16 @@ def resumed_model_config(ckpt, path, config):
     return GPTConfig.from_dict(have)
 
 
+def log_sizes(log_dir):
+    """Rank 0: {name: bytes} of the LOGS in log_dir as they are now, for a checkpoint (prepare_log_dir)."""
+    paths = {name: os.path.join(log_dir, name) for name in LOGS}
+    return {name: os.path.getsize(path) for name, path in paths.items() if os.path.exists(path)}
+
+
 def prepare_log_dir(log_dir, logs, start):
     """Rank 0, before the first step: remove a checkpoint write that a crash cut short, and cut
     log.txt and samples.txt back to the bytes they held when the checkpoint was written (logs: {name:
-    bytes}, as save kept them; {} for a fresh run): the lines a crashed run wrote after its checkpoint
+    bytes}, log_sizes then; {} for a fresh run): the lines a crashed run wrote after its checkpoint
     go, whatever they hold, and the resumed run writes them again. A checkpoint older than the sizes
     (logs None) keeps the lines of the steps before its own, start. Each file is rewritten atomically."""
     os.makedirs(log_dir, exist_ok=True)

@@ -42,10 +42,11 @@ def fuse_loss(model):
     linear_cross_entropy, the output layer and the loss in one pass; every other call is GPT.forward's
     own. The instance's forward, set here, comes before the class's: model.py stays as a reader expects
     it, and a GPU never runs this. Compiled, inductor fuses F.cross_entropy by itself."""
-    def forward(idx, targets=None, **kw):
+    def forward(idx, targets=None, dropout_keys=None, **kw):
         if targets is None or kw or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return type(model).forward(model, idx, targets, **kw)
-        return None, linear_cross_entropy(model.hidden_states(idx), model.lm_head.weight, targets)
+            return type(model).forward(model, idx, targets, dropout_keys=dropout_keys, **kw)
+        h = model.hidden_states(idx, dropout_keys=dropout_keys)
+        return None, linear_cross_entropy(h, model.lm_head.weight, targets)
     model.forward = forward
 
 

@@ -298,3 +298,33 @@ def test_forward_compiles_to_one_graph(grad):
         with torch.no_grad():
             _, ref = model(x, y)  # no grad: the plain F.cross_entropy, not the fused loss
     assert abs(loss.item() - ref.item()) < 1e-6
+
+
+def test_dropout_masks_follow_each_sequence_and_train_mode_alone():
+    """Issue 43: dropout (an attribute, not the shape) drops about its fraction of values, scaled
+    up; each sequence's masks follow its key, not its row in the batch or what else the batch
+    holds; other keys draw other masks, and without keys torch's generator draws them; eval mode or
+    dropout 0 drop nothing. HellaSwag scores in eval mode whatever mode the model came in."""
+    import hellaswag
+    from test_hellaswag import make_examples
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32))
+    assert "dropout" not in model.config.__dict__ and GPT.dropout == 0.0
+    x = torch.randint(0, 512, (4, 16))
+    keys = torch.arange(4) + (12345 << 32)
+    plain = model.hidden_states(x)
+    model.dropout = 0.25
+    dropped = model.hidden_states(x, dropout_keys=keys)
+    assert not torch.allclose(plain, dropped)
+    perm = torch.tensor([2, 0, 3, 1])
+    assert torch.equal(model.hidden_states(x[perm], dropout_keys=keys[perm]), dropped[perm])
+    assert torch.equal(model.hidden_states(x[:1], dropout_keys=keys[:1]), dropped[:1])  # alone
+    assert not torch.allclose(model.hidden_states(x, dropout_keys=keys + 1), dropped)
+    ones = model.drop(torch.ones(64, 32, 32), torch.arange(64), 3)
+    assert abs((ones == 0).float().mean().item() - 0.25) < 0.01 and ones.max().item() == pytest.approx(4 / 3)
+    assert not torch.allclose(model.hidden_states(x), plain)  # no keys: drawn
+    assert torch.equal(model.eval().hidden_states(x, dropout_keys=keys), plain)
+    examples = make_examples(8)
+    prepared = hellaswag.prepare(examples, 64, "cpu")
+    want = hellaswag.evaluate(model, prepared)
+    assert torch.equal(hellaswag.evaluate(model.train(), prepared), want) and not model.training

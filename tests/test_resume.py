@@ -737,3 +737,24 @@ def test_a_checkpoint_without_log_sizes_keeps_the_lines_before_its_step(tmp_path
     prepare_log_dir(str(tmp_path), {"log.txt": 10}, 2)  # a checkpoint's sizes; none for samples.txt
     assert (tmp_path / "log.txt").read_text() == "0 val 4.1\n"
     assert (tmp_path / "samples.txt").read_text() == ""
+
+
+def test_dropout_is_a_setting_that_a_resume_or_init_from_keeps(one, data, tmp_path):
+    """Issue 43: dropout is not the model's shape: a run resumed with another dropout goes on
+    (it says what changed) and trains with it; init_from's weights train with the dropout asked."""
+    copy_checkpoint(one, tmp_path / "resumed", 20)
+    r = run_script(args(data, tmp_path / "resumed", "--dropout=0.1", "--max_steps=22"))
+    assert r.returncode == 0, r.stderr
+    assert "dropout 0.0 -> 0.1" in r.stdout and "model shape" not in r.stderr
+    assert read_log(tmp_path / "resumed")["train"][20] != read_log(one)["train"][20]
+    from test_model import make_hf
+    make_hf(tmp_path / "hf")  # a HF GPT-2 of vocab_size 300
+    shards = random_shards(tmp_path / "small", 0, 600, [2000], vocab=300)
+    losses = []
+    for p in (0.0, 0.1):
+        log_dir = tmp_path / f"init_{p}"
+        r = run_script(args(shards, log_dir, f"--init_from={tmp_path / 'hf'}", f"--dropout={p}",
+                            "--max_steps=1", "--eval_interval=0", "--checkpoint_interval=0"))
+        assert r.returncode == 0, r.stderr
+        losses.append(read_log(log_dir)["train"][0])
+    assert losses[0] != losses[1]

@@ -11,7 +11,8 @@ from gptkit.hardware import cpu_has_bf16
 from model import GPT, GPTConfig
 from test_hellaswag import make_examples, write_file
 from gptkit.hardware import autocast
-from gptkit.shards import load_val_tokens
+from gptkit.shards import DataLoaderLite, load_val_tokens
+from gptkit.tokenizer import get_gpt2_encoding
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A language model predicts the next token. "
         "Gradient descent lowers the loss one small step at a time. ") * 40
@@ -83,8 +84,11 @@ def test_end_to_end_tiny_run(tmp_path, enc):
 
 
 def test_ddp_two_processes_equal_one_process(tmp_path):
-    """torchrun, 2 processes x 2 micro-steps vs 1 process x 4 micro-steps: same losses, same
-    parameters. Shards are sized so that the run changes shard and wraps around."""
+    """torchrun, 2 processes x 2 micro-steps vs 1 process x 4 micro-steps, with dropout 0.1 (issue
+    43): same losses, same parameters. Shards are sized so that the run changes shard and wraps
+    around. Each sequence's dropout masks come from the seed, the step and its place in the step:
+    the first step's loss is rebuilt here from those alone, and it is not the loss without dropout;
+    the val eval runs without dropout (its step-0 loss is the initial model's in eval mode)."""
     rng = np.random.default_rng(0)
     data = tmp_path / "data"
     write_shards(data, "val", [rng.integers(0, 512, 600)])
@@ -94,7 +98,7 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
               "--hellaswag=False",
               # the attention key bias has an exactly-zero gradient (softmax ignores a constant shift);
               # Adam scales its float noise up to steps of ~lr, so a small lr keeps that noise < 1e-5
-              "--max_lr=1e-3", "--min_lr=1e-4"]
+              "--max_lr=1e-3", "--min_lr=1e-4", "--dropout=0.1"]
     one = run_script([*common, f"--log_dir={tmp_path / 'one'}"])
     assert one.returncode == 0, one.stderr
     assert "grad_accum_steps=4" in one.stdout
@@ -120,9 +124,25 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
     assert any((p1[k] - init[k]).abs().max().item() > 1e-3 for k in p1)  # training did move them
     assert not glob.glob(str(tmp_path / "*" / "*.tmp*"))
 
+    torch.manual_seed(1337)  # the trainer's seed, then its model: the same initial weights
+    model = GPT(GPTConfig(block_size=32, vocab_size=512, n_layer=2, n_head=2, n_embd=32))
+    loader = DataLoaderLite(2, 16, 0, 1, "train", str(data), 4, 512, shuffle=True, seed=1337)
+    batches = [loader.next_batch() for _ in range(4)]
+    model.dropout = 0.1
+    base = (1337 * 1_000_003 + 0) % 2 ** 31 << 32  # step 0
+    with torch.no_grad():
+        dropped = [model(x, y, dropout_keys=torch.arange(2 * m, 2 * m + 2) + base)[1] for m, (x, y) in
+                   enumerate(batches)]
+        plain = [model.eval()(x, y)[1] for x, y in batches]
+    assert abs(torch.stack(dropped).mean().item() - log1["train"][0]) < 1e-5
+    assert abs(torch.stack(plain).mean().item() - log1["train"][0]) > 1e-3
+    val, _ = val_reference(model, load_val_tokens(str(data), 464), 16, "float32", get_gpt2_encoding())
+    assert abs(val - log1["val"][0]) < 1e-4  # log.txt holds 4 decimals
+
 
 def test_compile_matches_eager(tmp_path):
-    """compile=True (inductor on CPU): same losses as eager; eval and samples work with it."""
+    """compile=True (inductor on CPU): same losses as eager, with dropout 0.1 (issue 43: the same
+    masks, drawn by the same integer hash); eval and samples work with it."""
     rng = np.random.default_rng(1)
     data = tmp_path / "data"
     write_shards(data, "val", [rng.integers(0, 50257, 300)])
@@ -130,7 +150,7 @@ def test_compile_matches_eager(tmp_path):
     write_file(tmp_path / "hella.jsonl", make_examples(10))
     common = [*TINY, f"--data_root={data}", "--B=2", "--T=16", "--total_batch_size=64", "--max_steps=3",
               "--eval_interval=3", "--val_tokens=256", "--sample_interval=3", "--sample_length=4",
-              f"--hellaswag_file={tmp_path / 'hella.jsonl'}"]
+              f"--hellaswag_file={tmp_path / 'hella.jsonl'}", "--dropout=0.1"]
     eager = run_script([*common, f"--log_dir={tmp_path / 'eager'}"])
     assert eager.returncode == 0, eager.stderr
     compiled = run_script([*common, "--compile=True", f"--log_dir={tmp_path / 'compiled'}"])
