@@ -127,6 +127,26 @@ def test_wsd_resumes_in_its_stable_phase_with_a_raised_max_steps(muon1, data, tm
     assert read_log(resumed)["train"][20] == read_log(muon1)["train"][20]  # the same state at the start
 
 
+def test_a_new_schedule_is_a_change_to_train_gpt2_alone(data, tmp_path):
+    """Issue 43.2: a linear decay to zero, added as a user would (a branch in get_lr, its name in
+    LR_SCHEDULES) to a copy of train_gpt2.py and nothing else, runs with --lr_schedule=linear and
+    logs the lr it gives: max_lr * (max_steps - step) / (max_steps - warmup_steps) after warmup."""
+    source = open(os.path.join(ROOT, "train_gpt2.py")).read()
+    source = source.replace("LR_SCHEDULES = ('cosine', 'wsd')", "LR_SCHEDULES = ('cosine', 'wsd', 'linear')")
+    branch = "    if lr_schedule == 'cosine':"
+    linear = ("    if lr_schedule == 'linear':\n"
+              "        return max_lr * (max_steps - it) / (max_steps - warmup_steps)\n")
+    source = source.replace(branch, linear + branch)
+    (tmp_path / "train_linear.py").write_text(source)
+    r = run_script([*COMMON, f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--max_steps=6",
+                    "--eval_interval=0", "--lr_schedule=linear"], script=str(tmp_path / "train_linear.py"),
+                   PYTHONPATH=ROOT)
+    assert r.returncode == 0, r.stderr
+    lrs = {int(w[1]): float(w[w.index("lr") + 1]) for w in (line.replace("|", " ").split()
+           for line in r.stdout.splitlines()) if w[:1] == ["step"] and "lr" in w}
+    assert lrs == pytest.approx({0: 5e-4, 1: 1e-3, 2: 1e-3, 3: 0.75e-3, 4: 0.5e-3, 5: 0.25e-3}, rel=1e-3)
+
+
 def test_configured_schedule_and_optimizer_are_checked():
     """A schedule get_lr does not have, or a bad decay, is one line before anything starts (no data
     folder is looked for: there is none here)."""
