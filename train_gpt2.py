@@ -27,7 +27,8 @@ from gptkit.common import UserError
 from gptkit.configurator import accumulation_steps, parse_config
 from gptkit.cpu import fuse_loss, reuse_freed_memory
 from gptkit.hardware import autocast, choose_precision, peak_flops, pick_device
-from gptkit.parallel import agree, first_step_timeout, restart_store, set_collective_timeout, state_mib
+from gptkit.parallel import (agree, first_step_timeout, restart_store, set_collective_timeout,
+                             set_rank_environment, state_mib)
 from gptkit.shards import DataLoaderLite, find_shards, load_val_tokens, val_batches
 from gptkit.tokenizer import get_gpt2_encoding, utf8_bytes
 from model import GPT, GPTConfig, flops_per_token
@@ -139,6 +140,7 @@ if ddp:
     # NCCL between GPUs, gloo between CPU processes. A collective that waits past its timeout ends the
     # run (a stuck rank): an hour until the first step is done, as each rank compiles at its own pace,
     # then collective_timeout (docs/ddp.md, 10). A torchrun restart meets on keys of its own (restart_store)
+    set_rank_environment(log_dir)  # NCCL's flight recorder into log_dir; the node's CPUs for compiling
     dist.init_process_group(backend='nccl' if cuda else 'gloo', store=restart_store(), rank=rank,
                             world_size=world_size, device_id=torch.device(device) if cuda else None,
                             timeout=first_step_timeout(collective_timeout))

@@ -54,6 +54,21 @@ def restart_store():
     return None
 
 
+def set_rank_environment(log_dir):
+    """Under torchrun, before the process group is made, what the user has not set. NCCL's flight
+    recorder: the last collectives of each rank, dumped into log_dir/nccl_trace_rank_N when one times
+    out (docs/ddp.md, 10, reads them; gloo ignores them). Inductor's compile workers: the CPUs this
+    process may use, shared among the ranks of its node (inductor starts up to 32 for each rank)."""
+    env = os.environ
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+    defaults = {'TORCH_NCCL_TRACE_BUFFER_SIZE': '2000', 'TORCH_NCCL_DUMP_ON_TIMEOUT': '1',
+                'TORCHINDUCTOR_COMPILE_THREADS': str(max(1, cpus // int(env.get('LOCAL_WORLD_SIZE', 1))))}
+    if 'TORCH_NCCL_DEBUG_INFO_TEMP_FILE' not in env:  # the older name of the dump's path, read second
+        defaults['TORCH_FR_DUMP_TEMP_FILE'] = os.path.join(os.path.abspath(log_dir), 'nccl_trace_rank_')
+    for key, value in defaults.items():
+        env.setdefault(key, value)
+
+
 def first_step_timeout(collective_timeout):
     """The process group's timeout from init_process_group to the end of the first training step."""
     global waiting

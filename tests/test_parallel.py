@@ -243,6 +243,52 @@ STUCK = ("error: rank 0 waited more than {} s for the other ranks: one of them i
          "checkpoint stands: run the same command again to resume")
 
 
+ENV_PROBE = """
+import os, runpy, sys, torch.distributed as dist
+KEYS = ('TORCH_NCCL_TRACE_BUFFER_SIZE', 'TORCH_NCCL_DUMP_ON_TIMEOUT', 'TORCH_FR_DUMP_TEMP_FILE',
+        'TORCHINDUCTOR_COMPILE_THREADS')
+def init_process_group(**kw):  # the environment the group is made in; then the run ends
+    print('probe: inductor read its config before:', 'torch._inductor.config' in sys.modules)
+    import torch._inductor.config as inductor
+    print('probe: compile_threads', inductor.compile_threads)
+    for key in KEYS:
+        print(f'probe: {{key}}={{os.environ.get(key)}}')
+    sys.exit(3)
+dist.init_process_group = init_process_group
+sys.argv[0] = os.path.join({root!r}, 'train_gpt2.py')
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def test_the_group_is_made_with_nccls_flight_recorder_and_a_share_of_the_cpus(tmp_path):
+    """Issue 45.2 and 45.5: under torchrun (its variables given here), before the process group is
+    made: NCCL's flight recorder on, dumped on a timeout into log_dir/nccl_trace_rank_N, and inductor's
+    compile workers this process's CPUs divided by the ranks of its node, read by inductor (not read
+    before); whatever the user set stays as set (the dump's path under its older name too)."""
+    torchrun = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", PYTHONPATH=ROOT)
+    (tmp_path / "env.py").write_text(ENV_PROBE.format(root=ROOT))
+    cpus = len(os.sched_getaffinity(0))
+
+    def probe(**env):
+        r = run_script(["--device=cpu", f"--log_dir={tmp_path / 'log'}"], script=str(tmp_path / "env.py"),
+                       **torchrun, **env)
+        assert r.returncode == 3, r.stdout + r.stderr
+        return dict(line[len("probe: "):].split("=", 1) for line in r.stdout.splitlines()
+                    if line.startswith("probe: TORCH")), r.stdout
+
+    env, out = probe()
+    assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "log" / "nccl_trace_rank_"),
+                   "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, cpus // 2))}
+    assert "probe: inductor read its config before: False" in out
+    assert f"probe: compile_threads {max(1, cpus // 2)}\n" in out
+    env, out = probe(TORCH_NCCL_TRACE_BUFFER_SIZE="7", TORCHINDUCTOR_COMPILE_THREADS="5",
+                     TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(tmp_path / "mine_"))
+    assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "7", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_FR_DUMP_TEMP_FILE": "None", "TORCHINDUCTOR_COMPILE_THREADS": "5"}
+    assert "probe: compile_threads 5\n" in out
+
+
 def test_the_process_group_waits_for_the_first_step_longer_than_collective_timeout(tmp_path, monkeypatch):
     """Issue 36.4 (was 27.5, 21.12): the process group's collectives wait up to
     parallel.FIRST_STEP_TIMEOUT (at least collective_timeout) until the first training step is done,
