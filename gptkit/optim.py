@@ -14,7 +14,8 @@ found_inf, a 0-dim tensor on the device set by the trainer before step() (1.0: s
 each matrix and momentum buffer back only where it is 0. Its Newton-Schulz iteration runs in bf16:
 on a CPU without bf16 units it is emulated, and its cost shows in the step time. Under DDP the
 ranks share that work: each steps every momentum buffer (a checkpoint holds them all, and resumes
-on any number of processes) but orthogonalizes only every world_size-th matrix, and one all-reduce
+on any number of processes) but orthogonalizes only its share of the matrices (deal: about as many
+Newton-Schulz FLOPs on every rank), and one all-reduce
 in bf16 sums the updates, each one rank's and zeros on the others (as modded-nanogpt's first
 distributed Muon did): every rank applies the same bits. Muon needs whole matrices: under FSDP a
 rank holds shards, so gptkit/configurator.py refuses optimizer="muon" with parallel="fsdp".
@@ -39,6 +40,24 @@ def orthogonalize(g, coefficients, steps, eps):
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
         x = torch.addmm(x, poly, x, beta=a)  # a X + (b A + c A^2) X
     return x if wide else x.T
+
+
+def newton_schulz_flops(shape, steps=5):
+    """FLOPs of orthogonalize on a matrix of shape (rows, cols): per step X X^T, A A and (..) X, on
+    the side with fewer rows."""
+    m, n = sorted(shape[:2])
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def deal(shapes, world):
+    """The rank that orthogonalizes each matrix: the largest first, each to the rank with the fewest
+    FLOPs so far (the lowest such rank on a tie), so every rank's share is within a few percent of the
+    mean; a function of the shapes alone, so every rank deals alike."""
+    load, owner = [0] * world, [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: -newton_schulz_flops(shapes[i])):
+        owner[i] = min(range(world), key=lambda r: load[r])
+        load[owner[i]] += newton_schulz_flops(shapes[i])
+    return owner
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -75,9 +94,10 @@ class MuonAdamW(torch.optim.Optimizer):
         sizes = [p.numel() for p, _ in todo]
         flat = torch.zeros(sum(sizes), dtype=torch.bfloat16, device=device)
         updates = flat.split(sizes)
+        owners = deal([p.shape for p, _ in todo], parallel.world_size())
         for i, (p, group) in enumerate(todo):
             update = self._momentum(p, group, keep)  # every rank keeps every buffer: checkpoints as before
-            if i % parallel.world_size() == parallel.rank():  # this rank's share: every world_size-th matrix
+            if owners[i] == parallel.rank():  # this rank's share of the FLOPs
                 update = orthogonalize(update, group['ns_coefficients'], group['ns_steps'], group['eps'])
                 updates[i].copy_(update.flatten())
         parallel.sum_over_ranks(flat)  # each update is one rank's, zeros elsewhere: their sum is it, exactly

@@ -300,6 +300,29 @@ def test_muon_on_two_processes_splits_its_matmuls(data, tmp_path):
     assert all(abs(logs[None][s] - logs[2][s]) <= 1e-4 for s in logs[None]), logs
 
 
+@pytest.mark.parametrize("n_layer, n_embd", [(12, 768), (48, 1600)], ids=["124M", "1558M"])
+def test_muon_deals_its_matrices_so_every_rank_does_about_as_much(n_layer, n_embd):
+    """Issue 45.4: under DDP each matrix is orthogonalized by exactly one rank, and every rank's
+    Newton-Schulz FLOPs are within 10% of the mean, for GPT-2 124M and 1558M on 2, 4 and 8 ranks
+    (dealt by parameter order, one rank had 3x another's at 8). The FLOPs of a matrix are counted by
+    torch's FlopCounterMode on orthogonalize itself, at the shapes of a small model."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from gptkit.optim import deal, newton_schulz_flops, orthogonalize
+    for shape in [(96, 32), (32, 32), (128, 32), (32, 128)]:  # c_attn, c_proj, c_fc, mlp.c_proj
+        with FlopCounterMode(display=False) as counter:
+            orthogonalize(torch.randn(shape), (3.4445, -4.775, 2.0315), 5, 1e-7)
+        assert counter.get_total_flops() == newton_schulz_flops(shape), shape
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd, vocab_size=50304))
+    shapes = [p.shape for block in model.transformer.h for p in block.parameters() if p.dim() == 2]
+    flops = [newton_schulz_flops(shape) for shape in shapes]
+    for world in (2, 4, 8):
+        owners = deal(shapes, world)
+        assert len(owners) == len(shapes) and set(owners) == set(range(world))
+        load = [sum(f for f, o in zip(flops, owners) if o == rank) for rank in range(world)]
+        assert max(load) <= 1.1 * sum(load) / world and min(load) >= 0.9 * sum(load) / world, (world, load)
+
+
 def test_muon_refuses_fsdp_and_a_changed_optimizer(muon1, data, tmp_path):
     """Under FSDP each rank holds shards of a matrix, which Muon must not orthogonalize as if they
     were the matrix: one line, before anything runs. A checkpoint's optimizer state belongs to its
