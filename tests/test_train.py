@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 import forked
-from conftest import TINY, one_thread, random_shards, read_log, run_script, write_shards
+from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script, write_shards
 from gptkit.hardware import cpu_has_bf16
 from model import GPT, GPTConfig
 from test_hellaswag import make_examples, write_file
@@ -272,3 +272,47 @@ def test_a_run_that_cannot_score_hellaswag_stops_before_training(tmp_path):
         line = (f"error: no HellaSwag eval: {missing} not found; pass --hellaswag_file=PATH (a HellaSwag val "
                 f"jsonl file) or --hellaswag=False\n")
         assert r.stderr.count(line) == 1 and "Traceback" not in r.stderr.split(line)[0], r.stderr  # rank 0's
+
+
+VAL_PROBE = """
+import os, runpy, sys, torch, model
+from gptkit.shards import DataLoaderLite
+from torch.overrides import TorchFunctionMode
+from tests.host_reads import READS
+class Count(TorchFunctionMode):
+    seen = []
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in READS:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+mode, gpt_eval, next_batch, on = Count(), model.GPT.eval, DataLoaderLite.next_batch, []
+def counting(self):  # from the first eval's model.eval()...
+    if not on:
+        on.append(True)
+        mode.__enter__()
+    return gpt_eval(self)
+def stop(self):  # ...to the first training step's first batch
+    if on == [True]:
+        on[0] = False
+        mode.__exit__(None, None, None)
+        print(f"val eval reads: {Count.seen}", flush=True)
+    return next_batch(self)
+model.GPT.eval, DataLoaderLite.next_batch = counting, stop
+sys.argv[0] = 'train_gpt2.py'
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def test_the_val_eval_reads_the_host_once_whatever_its_size(tmp_path):
+    """Issue 45.3: the val batches are made on the device once, at the start; from the val eval's
+    model.eval() to the next training step, the host reads one thing, the all-reduced sums, with 1
+    val batch as with 8 (a read per batch would show as 8)."""
+    data = random_shards(tmp_path / "data", 3, 2100, [2000])
+    (tmp_path / "probe.py").write_text(VAL_PROBE)
+    for val_tokens in (32, 256):  # B*T = 32 tokens a batch: 1 batch, then 8
+        r = run_script([*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=32",
+                        "--max_steps=1", f"--val_tokens={val_tokens}", "--sample_interval=0", "--hellaswag=False",
+                        f"--data_root={data}", f"--log_dir={tmp_path / str(val_tokens)}"],
+                       script=str(tmp_path / "probe.py"), PYTHONPATH=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "val eval reads: ['tolist']\n" in r.stdout, r.stdout[-2000:]
