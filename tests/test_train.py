@@ -1,6 +1,7 @@
 import glob
 import os
 import re
+import shutil
 
 import numpy as np
 import torch
@@ -310,9 +311,10 @@ def test_the_val_eval_reads_the_host_once_whatever_its_size(tmp_path):
     data = random_shards(tmp_path / "data", 3, 2100, [2000])
     (tmp_path / "probe.py").write_text(VAL_PROBE)
     for val_tokens in (32, 256):  # B*T = 32 tokens a batch: 1 batch, then 8
+        shutil.rmtree(tmp_path / "log", ignore_errors=True)
         r = run_script([*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=32",
                         "--max_steps=1", f"--val_tokens={val_tokens}", "--sample_interval=0",
-                        "--hellaswag=False", f"--data_root={data}", f"--log_dir={tmp_path / str(val_tokens)}"],
+                        "--hellaswag=False", f"--data_root={data}", f"--log_dir={tmp_path / 'log'}"],
                        script=str(tmp_path / "probe.py"), PYTHONPATH=ROOT)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "val eval reads: ['tolist']\n" in r.stdout, r.stdout[-2000:]
