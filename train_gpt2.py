@@ -304,6 +304,8 @@ def stop_if_asked(val_loss, saved):
 # (unless it is the last step) updated: step -> step + 1
 checkpoint.listen_for_stop_signals()  # from here SIGTERM and Ctrl-C only set a flag, read between steps
 start_step = step
+waits_short = False  # collectives wait FIRST_STEP_TIMEOUT until every graph the run needs is built once:
+evals_built = eval_interval == 0  # the first step's and the first evals' (a resumed run's come later)
 for step in range(start_step, max_steps + 1):
     last_step = step == max_steps
     stop_if_asked(None, saved=evaluated)  # evaluated here: resumed from this step's checkpoint
@@ -362,7 +364,7 @@ for step in range(start_step, max_steps + 1):
             run_record.samples(log_dir, [f"step {step} sample {i}: {text!r}" for i, text in enumerate(texts)])
         if sharded:
             eval_model = eval_raw = None  # the gathered copy goes
-        evaluated = True
+        evaluated, evals_built = True, evals_built or do_eval
         if do_checkpoint:
             save_checkpoint(val_loss)
         if not last_step:
@@ -425,8 +427,10 @@ for step in range(start_step, max_steps + 1):
         bad_steps += 1
     loss = loss_accum.item()  # waits for the step to finish: dt is its real time
     dt = time.time() - t0
-    if step == start_step:  # every rank's first graphs are compiled: from here a stuck rank ends the run soon
-        set_collective_timeout(collective_timeout)
+    if evals_built and not waits_short:  # every rank has compiled, each at its pace: from here a stuck
+        set_collective_timeout(collective_timeout)  # rank ends the run soon (docs/ddp.md, 10)
+        waits_short = True
+    if step == start_step:
         t_first = time.time()  # the first step compiles: the ETA counts from its end
         if master_process:  # what this rank holds: whole tensors under DDP, shards under FSDP
             mib = state_mib(raw_model, optimizer)

@@ -6,6 +6,7 @@ the run before a checkpoint. The probes and faults live in wrapping scripts (SEA
 what train_gpt2.py calls and then run it as `python train_gpt2.py` does."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -381,7 +382,7 @@ WAIT_RUNS = {
     "stuck": (WAITS, {"STALL_RANK": "1", "STALL_STEP": "9"}),
     "slow_write": (WAITS, {"SLOW_STEP": "8", "SLOW_WRITE_S": str(2 * TIMEOUT)}),
     "hung_write": (WAITS, {"SLOW_STEP": "12", "SLOW_WRITE_S": "100000", "WAIT_FOR_ALL_S": str(TIMEOUT)}),
-    "plain": (FIRST := ["--max_steps=6", "--eval_interval=3", "--checkpoint_interval=0",
+    "plain": (FIRST := ["--max_steps=6", "--eval_interval=3", "--checkpoint_interval=3",
                         f"--collective_timeout={SLOW_FIRST_TIMEOUT}"], {}),
     "slow_first": (FIRST, {"SLOW_RANK": "1", "SLOW_FIRST_S": str(SLOW_FIRST_TIMEOUT * 1.25)}),
 }
@@ -399,12 +400,21 @@ def waits(data, tmp_path_factory):
 
 
 def run_waits(data, tmp_path_factory):
-    dirs = {name: tmp_path_factory.mktemp(name) for name in WAIT_RUNS}
+    """WAIT_RUNS, and then "resumed_slow": plain's run resumed from its evaluated checkpoint of step 3
+    with slow_first's delays, its first eval (step 6) after its first step."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in [*WAIT_RUNS, "resumed_slow"]}
     started = {name: start(FAULTS, dirs[name], argv(data, dirs[name] / "log", *args), 2, env)
                for name, (args, env) in WAIT_RUNS.items()}
     with ThreadPoolExecutor(len(started)) as pool:
-        ended = dict(zip(started, pool.map(Ended, started.values())))
-    return {name: (dirs[name] / "log", ended[name]) for name in WAIT_RUNS}
+        ended = {name: pool.submit(Ended, p) for name, p in started.items()}
+        plain = ended["plain"].result()
+        assert plain.returncode == 0, plain.stderr[-3000:]
+        resumed = dirs["resumed_slow"] / "log"
+        resumed.mkdir()
+        shutil.copy(dirs["plain"] / "log" / "model_00003.pt", resumed)
+        slow = start(FAULTS, dirs["resumed_slow"], argv(data, resumed, *FIRST), 2, WAIT_RUNS["slow_first"][1])
+        ended = {name: future.result() for name, future in ended.items()} | {"resumed_slow": Ended(slow)}
+    return {name: (dirs[name] / "log", ended[name]) for name in dirs}
 
 
 waiting = pytest.mark.xdist_group("waits")  # one worker starts WAIT_RUNS, once
@@ -464,6 +474,20 @@ def test_a_rank_slow_in_its_first_eval_and_step_does_not_end_the_run(waits):
     a, b = read_log(plain_log), read_log(slow_log)
     assert sorted(b["train"]) == list(range(6)) and sorted(b["val"]) == [0, 3, 6]
     assert a == b
+
+
+@waiting
+def test_a_resumed_run_whose_first_evals_come_after_its_first_step_waits_for_them_too(waits):
+    """Issue 45.1: resumed from an evaluated checkpoint (step 3), a run's first evals come after its
+    first step (at step 6), and rank 1 takes 12.5 s longer in each (a cold compile cache after a
+    requeue), past collective_timeout=10 s: the ranks wait the long timeout until those graphs are
+    built too, and the run ends with the losses of the uninterrupted one."""
+    (plain_log, _), (log, r) = waits["plain"], waits["resumed_slow"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from" in r.stdout and r.stdout.count("rank 1 compiles slowly") == 2
+    a, b = read_log(plain_log), read_log(log)
+    assert sorted(b["train"]) == [3, 4, 5] and sorted(b["val"]) == [6]
+    assert all(a[kind][step] == b[kind][step] for kind in ("train", "val") for step in b[kind]), (a, b)
 
 
 # --- replicas checked at every checkpoint ------------------------------------------------------------
