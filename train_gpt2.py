@@ -138,8 +138,9 @@ if device == 'cpu' and cpu_reuse_memory:
     reuse_freed_memory()  # the CPU's own speed trick: gptkit/cpu.py
 if ddp:
     # NCCL between GPUs, gloo between CPU processes. A collective that waits past its timeout ends the
-    # run (a stuck rank): an hour until the first step is done, as each rank compiles at its own pace,
-    # then collective_timeout (docs/ddp.md, 10). A torchrun restart meets on keys of its own (restart_store)
+    # run (a stuck rank): an hour until the first step and the first evals are done, as each rank
+    # compiles at its own pace, then collective_timeout (docs/ddp.md, 10). A torchrun restart meets on
+    # keys of its own (restart_store)
     set_rank_environment(log_dir)  # NCCL's flight recorder into log_dir; the node's CPUs for compiling
     dist.init_process_group(backend='nccl' if cuda else 'gloo', store=restart_store(), rank=rank,
                             world_size=world_size, device_id=torch.device(device) if cuda else None,
