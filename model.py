@@ -85,9 +85,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, mask=None, kv_cache=None, start_pos=0, drop=None):
-        # drop(y, j): dropout of residual branch j's output in training (GPT.drop); None: no dropout
-        drop = drop or (lambda y, j: y)
+    def forward(self, x, mask=None, kv_cache=None, start_pos=0, drop=lambda y, j: y):
+        # drop(y, j): dropout of residual branch j's output in training (GPT.drop); by default, none
         x = x + drop(self.attn(self.ln_1(x), mask, kv_cache, start_pos), 0)
         x = x + drop(self.mlp(self.ln_2(x)), 1)
         return x

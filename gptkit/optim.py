@@ -20,6 +20,7 @@ in bf16 sums the updates, each one rank's and zeros on the others (as modded-nan
 distributed Muon did): every rank applies the same bits. Muon needs whole matrices: under FSDP a
 rank holds shards, so gptkit/configurator.py refuses optimizer="muon" with parallel="fsdp".
 """
+import functools
 import math
 
 import torch
@@ -49,14 +50,16 @@ def newton_schulz_flops(shape, steps=5):
     return steps * (4 * m * m * n + 2 * m ** 3)
 
 
+@functools.lru_cache(maxsize=None)  # a step asks again with the same shapes: dealt once per run
 def deal(shapes, world):
-    """The rank that orthogonalizes each matrix: the largest first, each to the rank with the fewest
-    FLOPs so far (the lowest such rank on a tie), so every rank's share is within a few percent of the
-    mean; a function of the shapes alone, so every rank deals alike."""
+    """The rank that orthogonalizes each matrix of shapes (a tuple): the largest first, each to the
+    rank with the fewest FLOPs so far (the lowest such rank on a tie), so every rank's share is within
+    a few percent of the mean; a function of the shapes alone, so every rank deals alike."""
+    flops = [newton_schulz_flops(shape) for shape in shapes]
     load, owner = [0] * world, [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda i: -newton_schulz_flops(shapes[i])):
+    for i in sorted(range(len(shapes)), key=lambda i: -flops[i]):
         owner[i] = min(range(world), key=lambda r: load[r])
-        load[owner[i]] += newton_schulz_flops(shapes[i])
+        load[owner[i]] += flops[i]
     return owner
 
 
@@ -94,7 +97,7 @@ class MuonAdamW(torch.optim.Optimizer):
         sizes = [p.numel() for p, _ in todo]
         flat = torch.zeros(sum(sizes), dtype=torch.bfloat16, device=device)
         updates = flat.split(sizes)
-        owners = deal([p.shape for p, _ in todo], parallel.world_size())
+        owners = deal(tuple(p.shape for p, _ in todo), parallel.world_size())
         for i, (p, group) in enumerate(todo):
             update = self._momentum(p, group, keep)  # every rank keeps every buffer: checkpoints as before
             if owners[i] == parallel.rank():  # this rank's share of the FLOPs

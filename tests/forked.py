@@ -86,7 +86,12 @@ def run(cmd, capture_output=False, timeout=None, **kw):
     the command and every process it started are gone (kill_job: torchrun's workers too)."""
     if capture_output:
         kw.update(stdout=PIPE, stderr=PIPE)
-    p = Popen(cmd, **kw)
+    return finish(Popen(cmd, **kw), timeout)
+
+
+def finish(p, timeout=None):
+    """The started command p (Popen's) run to its end: a CompletedProcess, or TimeoutExpired once it
+    and every process it started are gone (kill_job)."""
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -95,7 +100,7 @@ def run(cmd, capture_output=False, timeout=None, **kw):
             if f:
                 f.close()
         raise
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def kill_job(p, timeout=60):

@@ -7,7 +7,6 @@ what train_gpt2.py calls and then run it as `python train_gpt2.py` does."""
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -112,21 +111,16 @@ def start(script, tmp_path, args, nproc, env=()):
     return forked.Popen(cmd, cwd=ROOT, env=env, stdout=forked.PIPE, stderr=forked.PIPE, text=True)
 
 
-class Ended:
-    """A started run, once it has ended: returncode, stdout, stderr, and `ended`, the time it did."""
-
-    def __init__(self, p, timeout=300):
-        try:
-            self.stdout, self.stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            forked.kill_job(p)
-            raise
-        self.returncode, self.ended = p.returncode, time.time()
+def ended(p, timeout=300):
+    """The started run p to its end (forked.finish), with `ended`, the time it did."""
+    r = forked.finish(p, timeout)
+    r.ended = time.time()
+    return r
 
 
 def launch(script, tmp_path, args, nproc, env=(), timeout=300):
     """script run to its end (start, above)."""
-    return Ended(start(script, tmp_path, args, nproc, env), timeout)
+    return ended(start(script, tmp_path, args, nproc, env), timeout)
 
 
 def argv(data, log_dir, *extra):
@@ -137,22 +131,9 @@ def argv(data, log_dir, *extra):
 
 PROBE = wrapper("""
 import contextlib
-from torch.overrides import TorchFunctionMode
-T = torch.Tensor
-from tests.host_reads import READS
+from tests.host_reads import HostReads
 NAN_STEP = 3
 CONTROL_STEP = 1  # the probe's positive control: it counts on past the update, until the next step begins
-
-
-class HostReads(TorchFunctionMode):  # every read of a tensor's value by the host, by name
-    def __init__(self):
-        super().__init__()
-        self.seen, self.paused = [], False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in READS and not self.paused:
-            self.seen.append(func.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 counting, before, hooks = [], [], []  # the count going on; the state as the step began; the poison
@@ -406,15 +387,15 @@ def run_waits(data, tmp_path_factory):
     started = {name: start(FAULTS, dirs[name], argv(data, dirs[name] / "log", *args), 2, env)
                for name, (args, env) in WAIT_RUNS.items()}
     with ThreadPoolExecutor(len(started)) as pool:
-        ended = {name: pool.submit(Ended, p) for name, p in started.items()}
-        plain = ended["plain"].result()
+        futures = {name: pool.submit(ended, p) for name, p in started.items()}
+        plain = futures["plain"].result()
         assert plain.returncode == 0, plain.stderr[-3000:]
         resumed = dirs["resumed_slow"] / "log"
         resumed.mkdir()
         shutil.copy(dirs["plain"] / "log" / "model_00003.pt", resumed)
         slow = start(FAULTS, dirs["resumed_slow"], argv(data, resumed, *FIRST), 2, WAIT_RUNS["slow_first"][1])
-        ended = {name: future.result() for name, future in ended.items()} | {"resumed_slow": Ended(slow)}
-    return {name: (dirs[name] / "log", ended[name]) for name in dirs}
+        runs = {name: future.result() for name, future in futures.items()} | {"resumed_slow": ended(slow)}
+    return {name: (dirs[name] / "log", runs[name]) for name in dirs}
 
 
 waiting = pytest.mark.xdist_group("waits")  # one worker starts WAIT_RUNS, once

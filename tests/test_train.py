@@ -278,15 +278,8 @@ def test_a_run_that_cannot_score_hellaswag_stops_before_training(tmp_path):
 VAL_PROBE = """
 import os, runpy, sys, torch, model
 from gptkit.shards import DataLoaderLite
-from torch.overrides import TorchFunctionMode
-from tests.host_reads import READS
-class Count(TorchFunctionMode):
-    seen = []
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in READS:
-            self.seen.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-mode, gpt_eval, next_batch, on = Count(), model.GPT.eval, DataLoaderLite.next_batch, []
+from tests.host_reads import HostReads
+mode, gpt_eval, next_batch, on = HostReads(), model.GPT.eval, DataLoaderLite.next_batch, []
 def counting(self):  # from the first eval's model.eval()...
     if not on:
         on.append(True)
@@ -296,7 +289,7 @@ def stop(self):  # ...to the first training step's first batch
     if on == [True]:
         on[0] = False
         mode.__exit__(None, None, None)
-        print(f"val eval reads: {Count.seen}", flush=True)
+        print(f"val eval reads: {mode.seen}", flush=True)
     return next_batch(self)
 model.GPT.eval, DataLoaderLite.next_batch = counting, stop
 sys.argv[0] = 'train_gpt2.py'
