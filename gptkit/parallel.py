@@ -61,8 +61,10 @@ def set_rank_environment(log_dir):
     process may use, shared among the ranks of its node (inductor starts up to 32 for each rank)."""
     env = os.environ
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-    defaults = {'TORCH_NCCL_TRACE_BUFFER_SIZE': '2000', 'TORCH_NCCL_DUMP_ON_TIMEOUT': '1',
+    defaults = {'TORCH_NCCL_DUMP_ON_TIMEOUT': '1',
                 'TORCHINDUCTOR_COMPILE_THREADS': str(max(1, cpus // int(env.get('LOCAL_WORLD_SIZE', 1))))}
+    if 'TORCH_NCCL_TRACE_BUFFER_SIZE' not in env:  # the buffer's older name (torch warns that it is)
+        defaults['TORCH_FR_BUFFER_SIZE'] = '2000'
     if 'TORCH_NCCL_DEBUG_INFO_TEMP_FILE' not in env:  # the older name of the dump's path, read second
         defaults['TORCH_FR_DUMP_TEMP_FILE'] = os.path.join(os.path.abspath(log_dir), 'nccl_trace_rank_')
     for key, value in defaults.items():

@@ -13,9 +13,13 @@ so a command that needs them runs as a real subprocess (and every command does u
 build of torch: gpu_build): variables read when torch is imported
 (a command whose environment changes anything but RUNTIME_ENV), and more than one thread (the
 command must set OMP_NUM_THREADS=1: OpenMP's pool of threads is not in the fork, and a parallel
-region would wait on it forever). torchrun's workers are always fresh interpreters, as in
-production: only the launcher is forked. A test about what a fresh interpreter imports (lazy
-imports) must use subprocess itself: a fork starts with this process's modules.
+region would wait on it forever). torchrun's launcher, forked, forks its workers in turn (its
+`python -u script` commands, whose environment adds only torchrun's variables, TORCHRUN_ENV): the
+same processes, sessions, signals and exit codes as torchrun's own, without each worker's ~3 s of
+starting and stopping an interpreter. What differs there: a worker dies with its launcher (as every
+fork here dies with its parent), where a real one would run on. A test about what a fresh
+interpreter imports (lazy imports) must use subprocess itself: a fork starts with this process's
+modules.
 """
 import ctypes
 import importlib
@@ -37,9 +41,16 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "model", "hellaswa
 # read when a run reads them, never at import: the same in a fork as in a fresh interpreter
 RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "FREE_0", "FREE_1", "FAULT",
                "WANDB_MODE", "WANDB_SILENT"}
+# what torchrun adds to its workers' environment: read when the worker runs, never at import
+TORCHRUN_ENV = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+                "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_MAX_RESTARTS",
+                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                "TORCHELASTIC_USE_AGENT_STORE"}
 # what a fork can be asked for of subprocess's keyword arguments
 FORKABLE_KW = {"cwd", "env", "stdout", "stderr", "text", "start_new_session", "capture_output", "timeout"}
 PIPE, STDOUT = subprocess.PIPE, subprocess.STDOUT
+_imported_with = None  # in a fork: the environment of the test process, whose modules it holds
 
 
 def gpu_build():
@@ -51,7 +62,7 @@ def gpu_build():
     return bool(torch.version.cuda or torch.version.hip)
 
 
-def forkable(cmd, kw):
+def forkable(cmd, kw, allowed=RUNTIME_ENV, imported_with=None):
     """Whether subprocess's cmd and keyword arguments can run as a fork: [sys.executable, then a
     script, -c code or -m torch.distributed.run, ...], in an environment that changes nothing
     read at import, with no more than stdout/stderr (PIPE, STDOUT)/cwd/text/start_new_session/timeout
@@ -69,10 +80,11 @@ def forkable(cmd, kw):
     if cmd[1] != "-c" and folder != ROOT and any(os.path.exists(os.path.join(folder, f"{m}.py"))
                                                  for m in [*sys.modules, *PRELOAD]):
         return False  # a script beside modules of its own (another checkout): this process holds ours
-    changed = {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)}
+    imported_with = os.environ if imported_with is None else imported_with  # this process's modules'
+    changed = {k for k in set(env) | set(imported_with) if env.get(k) != imported_with.get(k)}
     if env.get("PYTHONPATH") == ROOT:  # the project's root is on the test process's sys.path already
         changed.discard("PYTHONPATH")
-    return (changed <= RUNTIME_ENV and (cmd[1] == "-c" or not cmd[1].startswith("-"))
+    return (changed <= allowed and (cmd[1] == "-c" or not cmd[1].startswith("-"))
             and env.get("OMP_NUM_THREADS") == "1")
 
 
@@ -218,6 +230,9 @@ def _child(cmd, cwd, env, to, new_session):
         # killed with the test process: a child stuck here must not hold its pipes (xdist's) open. Its
         # other files stay open: closing them would let a finalizer close a number since reused
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        global _imported_with
+        if _imported_with is None:  # the test process's environment, which its modules were imported with
+            _imported_with = dict(os.environ)
         os.environ.clear()
         os.environ.update(env)
         if cwd is not None:
@@ -229,7 +244,8 @@ def _child(cmd, cwd, env, to, new_session):
         sys.stderr = sys.__stderr__ = _stream(2, raw, line_buffering=True, errors="backslashreplace")
         # as a fresh interpreter starts: default signal handlers, hooks, warnings, logging and threads
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        for sig in (signal.SIGTERM, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2):
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM, signal.SIGUSR1,
+                    signal.SIGUSR2):  # torchrun's launcher handles the first three
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         sys.excepthook, sys.unraisablehook = sys.__excepthook__, sys.__unraisablehook__  # pytest's report
@@ -268,6 +284,7 @@ def _child(cmd, cwd, env, to, new_session):
             exec(compile(cmd[2], "<string>", "exec"), main.__dict__)
         elif cmd[1] == "-m":
             import runpy
+            fork_workers()
             sys.argv = [cmd[2], *cmd[3:]]
             sys.modules.pop(cmd[2], None)  # run afresh as __main__, as python -m does (runpy warns otherwise)
             runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
@@ -306,6 +323,25 @@ def _child(cmd, cwd, env, to, new_session):
         os.kill(os.getpid(), signal.SIGINT)
         status = 128 + signal.SIGINT
     return status
+
+
+def fork_workers():
+    """In torchrun's launcher, forked: each worker forked from it, when it can be (forkable), else
+    started as torchrun starts it. torchrun's command for a worker is `python -u script args`, in a
+    session of its own, with torchrun's variables added to the environment (TORCHRUN_ENV)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+    popen = subprocess_handler.SubprocessHandler._popen
+
+    def _popen(self, args, env):
+        cmd = list(args)
+        if cmd[1:2] == ["-u"]:  # unbuffered stdout and stderr, as PYTHONUNBUFFERED makes them
+            cmd, env = [cmd[0], *cmd[2:]], dict(env, PYTHONUNBUFFERED="1")
+        kw = dict(env=env, stdout=self._stdout, stderr=self._stderr, start_new_session=True)
+        if forkable(cmd, kw, RUNTIME_ENV | TORCHRUN_ENV, _imported_with):  # against the test's environment
+            return Forked(cmd, **kw)
+        return popen(self, args, env)
+
+    subprocess_handler.SubprocessHandler._popen = _popen
 
 
 def _stream(fd, raw, **kw):

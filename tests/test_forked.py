@@ -73,9 +73,39 @@ def test_what_a_fork_cannot_have_runs_as_a_subprocess(tmp_path, monkeypatch):
     assert not forked.forkable(cmd, dict(env=one_thread(), preexec_fn=print))
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     assert forked.forkable(torchrun, dict(env=dict(one_thread(), TORCH_LOGS="+dynamo")))
+    # torchrun's worker, judged in its launcher against the test process's environment (its modules')
+    worker, allowed = [sys.executable, "train_gpt2.py"], forked.RUNTIME_ENV | forked.TORCHRUN_ENV
+    assert forked.forkable(worker, dict(env=dict(one_thread(), RANK="1")), allowed, one_thread())
+    assert not forked.forkable(worker, dict(env=dict(one_thread(), RANK="1", TORCH_LOGS="+dynamo")), allowed,
+                               one_thread())
     threads = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
     r = forked.run(threads, capture_output=True, text=True, env=dict(one_thread(), OMP_NUM_THREADS="2"))
     assert r.stdout == "2\n"
+
+
+WORKER = """import os, sys
+print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:], sys.stdout.write_through)
+print('preloaded' if 'torch' in sys.modules else 'fresh', file=sys.stderr)  # a fork starts with torch
+sys.exit(3 if os.environ['RANK'] == '1' else 0)
+"""
+
+
+def test_torchruns_workers_are_forked_and_run_as_its_own(tmp_path):
+    """torchrun's launcher, forked, forks its workers too: each with its rank's environment, its
+    arguments, unbuffered output (python -u) and its exit code (rank 1's 3 fails the job: torchrun
+    exits 1), as the real launcher's fresh interpreters have them."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "worker.py",
+           "--a=1"]
+    kw = dict(cwd=tmp_path, env=one_thread(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = forked.Popen(cmd, **kw)
+    assert isinstance(p, forked.Forked)
+    got = p.communicate(120)
+    want = subprocess.run(cmd, **kw, timeout=120)
+    assert p.returncode == want.returncode == 1, (got, want)
+    assert sorted(got[0].splitlines()) == sorted(want.stdout.splitlines()) == [
+        f"rank {r} of 2 ['--a=1'] True" for r in (0, 1)], (got, want)
+    assert got[1].count("preloaded") == 2 and want.stderr.count("fresh") == 2, (got[1], want.stderr)
 
 
 # How a command ends, and so its exit code: sys.exit(n), the low byte of n as a C long (255: too big
