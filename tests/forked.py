@@ -38,9 +38,11 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "model", "hellaswag", "gptkit.checkpoint",
            "gptkit.configurator", "gptkit.run_record")  # the trainer's imports (it runs when imported)
-# read when a run reads them, never at import: the same in a fork as in a fresh interpreter
-RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "FREE_0", "FREE_1", "FAULT",
-               "WANDB_MODE", "WANDB_SILENT"}
+# read when a run reads them, never at import: the same in a fork as in a fresh interpreter (the tests'
+# faults' own, and a few of the trainer's)
+RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "WANDB_MODE", "WANDB_SILENT", "FREE_0", "FREE_1",
+               "FAULT", "STALL_RANK", "STALL_STEP", "SLOW_STEP", "SLOW_WRITE_S", "WAIT_FOR_ALL_S",
+               "SLOW_RANK", "SLOW_FIRST_S", "HF_CACHE", "DOWNLOADS", "HELLASWAG_SOURCE"}
 # what torchrun adds to its workers' environment: read when the worker runs, never at import
 TORCHRUN_ENV = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
                 "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
