@@ -39,8 +39,8 @@ def one_thread(**extra):
 
 def run_script(args, nproc=None, timeout=300, script="train_gpt2.py", **env):
     """Run train_gpt2.py (or a script that wraps it, with more environment variables) as a user would:
-    plain python, or real torchrun with nproc processes (the one, or torchrun's launcher, forked from
-    this process: forked.py)."""
+    plain python, or real torchrun with nproc processes (the one, or torchrun's launcher and its workers,
+    forked from this process: forked.py)."""
     env = one_thread(PYTHONUNBUFFERED="1", **env)
     if nproc is None:
         cmd = [sys.executable, script, *args]

@@ -14,12 +14,13 @@ build of torch: gpu_build): variables read when torch is imported
 (a command whose environment changes anything but RUNTIME_ENV), and more than one thread (the
 command must set OMP_NUM_THREADS=1: OpenMP's pool of threads is not in the fork, and a parallel
 region would wait on it forever). torchrun's launcher, forked, forks its workers in turn (its
-`python -u script` commands, whose environment adds only torchrun's variables, TORCHRUN_ENV): the
-same processes, sessions, signals and exit codes as torchrun's own, without each worker's ~3 s of
-starting and stopping an interpreter. What differs there: a worker dies with its launcher (as every
-fork here dies with its parent), where a real one would run on. A test about what a fresh
-interpreter imports (lazy imports) must use subprocess itself: a fork starts with this process's
-modules.
+`python -u script` commands, whose environment adds only torchrun's variables, TORCHRUN_ENV): a
+process each, in a session of its own, with its rank's environment, its signals and its exit code,
+as torchrun's own, without each worker's ~3 s of starting and stopping an interpreter. What differs
+there: a worker dies with its launcher (as every fork here dies with its parent) where a real one
+would run on, and it holds the launcher's open files (the store's sockets among them) until it
+ends. A test about what a fresh interpreter imports (lazy imports) must use subprocess itself: a
+fork starts with this process's modules, and their state.
 """
 import ctypes
 import importlib
@@ -42,7 +43,8 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "model", "hellaswa
 # faults' own, and a few of the trainer's)
 RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "WANDB_MODE", "WANDB_SILENT", "FREE_0", "FREE_1",
                "FAULT", "STALL_RANK", "STALL_STEP", "SLOW_STEP", "SLOW_WRITE_S", "WAIT_FOR_ALL_S",
-               "SLOW_RANK", "SLOW_FIRST_S", "HF_CACHE", "DOWNLOADS", "HELLASWAG_SOURCE"}
+               "SLOW_RANK", "SLOW_FIRST_S", "NUDGE_RANK", "NUDGE_STEP", "HF_CACHE", "DOWNLOADS",
+               "HELLASWAG_SOURCE"}
 # what torchrun adds to its workers' environment: read when the worker runs, never at import
 TORCHRUN_ENV = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
                 "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -71,12 +73,16 @@ def forkable(cmd, kw, allowed=RUNTIME_ENV, imported_with=None):
     asked for."""
     if len(cmd) < 2 or cmd[0] != sys.executable or not set(kw) <= FORKABLE_KW:
         return False
+    if cmd[1] == "-u":  # unbuffered stdout and stderr (torchrun starts its workers so): the child's streams
+        cmd = [cmd[0], *cmd[2:]]
+        if len(cmd) < 2:
+            return False
     if gpu_build():  # autograd's device threads: after a backward here, a fork's backward refuses to run
         return False
     if kw.get("stdout") not in (None, PIPE) or kw.get("stderr") not in (None, PIPE, STDOUT):
         return False
     env = kw.get("env") or os.environ
-    if cmd[1] == "-m":  # the launcher reads nothing at import that its workers, fresh interpreters, would not
+    if cmd[1] == "-m":  # the launcher reads nothing at import; its workers are judged apart (fork_workers)
         return cmd[2:3] == ["torch.distributed.run"]
     folder = os.path.dirname(os.path.abspath(os.path.join(kw.get("cwd") or os.getcwd(), cmd[1])))
     if cmd[1] != "-c" and folder != ROOT and any(os.path.exists(os.path.join(folder, f"{m}.py"))
@@ -164,7 +170,7 @@ class Forked:
 
     def __init__(self, cmd, cwd=None, env=None, stdout=None, stderr=None, text=False,
                  start_new_session=False):
-        for name in PRELOAD:  # imported once, by the first fork (sys.modules answers after it)
+        for name in PRELOAD if _imported_with is None else ():  # imported once, in the test process
             __import__(name)
         self.args, self.returncode, self._text = cmd, None, text
         piped = {fd: tempfile.TemporaryFile() for fd, where in ((1, stdout), (2, stderr)) if where == PIPE}
@@ -173,13 +179,23 @@ class Forked:
             to[2] = to[1] if to[1] is not None else 1
         sys.stdout.flush()
         sys.stderr.flush()
+        parent, (ready, started) = os.getpid(), os.pipe()
+        # Signals wait until the child has its own handlers (a launcher's handler must never run in
+        # its worker), and Popen returns once the child is in its session (torchrun may killpg it).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         self.pid = os.fork()
         if self.pid == 0:  # the child: whatever the command does, it never returns to the test's code
             status = 1
             try:
-                status = _child(cmd, cwd, dict(os.environ if env is None else env), to, start_new_session)
+                os.close(ready)
+                status = _child(cmd, cwd, dict(os.environ if env is None else env), to, start_new_session,
+                                parent, started)
             finally:
                 os._exit(status)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(started)
+        os.read(ready, 1)  # the child's session is made (or it ended)
+        os.close(ready)
         self._piped, self._pidfd = piped, os.pidfd_open(self.pid)
         self.stdout = self._open(1) if 1 in piped else None
         self.stderr = self._open(2) if 2 in piped else None
@@ -189,14 +205,20 @@ class Forked:
         f = open(f"/proc/self/fd/{self._piped[fd].fileno()}", "rb")
         return io.TextIOWrapper(f, encoding="utf-8", errors="replace") if self._text else f
 
+    def _ended(self, timeout):
+        """Whether the child ended within timeout seconds (None: however long), from its pidfd."""
+        waiter = select.poll()  # not select.select: it refuses a file descriptor over 1023
+        waiter.register(self._pidfd, select.POLLIN)
+        return bool(waiter.poll(None if timeout is None else timeout * 1000))
+
     def poll(self):
-        exited = self.returncode is None and select.select([self._pidfd], [], [], 0)[0]
+        exited = self.returncode is None and self._ended(0)
         return self.wait(0) if exited else self.returncode
 
     def wait(self, timeout=None):
         """The exit code, waiting on the child's pidfd (an event, not a polling loop)."""
         if self.returncode is None:
-            if not select.select([self._pidfd], [], [], timeout)[0]:
+            if not self._ended(timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout)
             self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
             os.close(self._pidfd)
@@ -215,13 +237,26 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def _child(cmd, cwd, env, to, new_session):
-    """In the forked child: become the command and run it as `python` would; the status to exit
-    with, as python's (Ctrl-C not caught: killed by SIGINT, as python ends then)."""
+def _child(cmd, cwd, env, to, new_session, parent, started):
+    """In the forked child, its signals blocked: become the command and run it as `python` would; the
+    status to exit with, as python's (Ctrl-C not caught: killed by SIGINT, as python ends then)."""
     status, interrupted = 1, False
+    unbuffered = cmd[1] == "-u"  # python -u script ...
+    if unbuffered:
+        cmd = [cmd[0], *cmd[2:]]
     try:
         if new_session:
             os.setsid()
+        os.close(started)  # Forked() returns: the session is made
+        # as a fresh interpreter starts: default signal handlers (the launcher's handle TERM, INT, HUP,
+        # QUIT and what TORCHELASTIC_SIGNALS_TO_HANDLE adds), hooks, warnings, logging and threads
+        for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.excepthook, sys.unraisablehook = sys.__excepthook__, sys.__unraisablehook__  # pytest's report
+        import atexit
+        atexit._clear()  # the test process's (a launcher's): the command's own run at its end
         opened = {}  # an open file of its own (append): the parent's reader keeps its own offset
         for fd, src in to.items():
             if src is not None:
@@ -231,7 +266,11 @@ def _child(cmd, cwd, env, to, new_session):
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         # killed with the test process: a child stuck here must not hold its pipes (xdist's) open. Its
         # other files stay open: closing them would let a finalizer close a number since reused
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before that: end as the signal would have
+            return 128 + signal.SIGKILL
+        libc.prctl(15, os.path.basename(sys.executable).encode()[:15])  # PR_SET_NAME: not the parent's name
         global _imported_with
         if _imported_with is None:  # the test process's environment, which its modules were imported with
             _imported_with = dict(os.environ)
@@ -240,19 +279,12 @@ def _child(cmd, cwd, env, to, new_session):
         if cwd is not None:
             os.chdir(cwd)
         was_stdout = {id(sys.stdout), id(sys.__stdout__)}
-        raw = bool(env.get("PYTHONUNBUFFERED"))  # as python buffers: by block, stderr and a terminal by line
+        raw = unbuffered or bool(env.get("PYTHONUNBUFFERED"))  # as python buffers: by block, stderr and a
+        # terminal by line
         sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
         sys.stdout = sys.__stdout__ = _stream(1, raw, line_buffering=os.isatty(1))
         sys.stderr = sys.__stderr__ = _stream(2, raw, line_buffering=True, errors="backslashreplace")
-        # as a fresh interpreter starts: default signal handlers, hooks, warnings, logging and threads
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM, signal.SIGUSR1,
-                    signal.SIGUSR2):  # torchrun's launcher handles the first three
-            signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        sys.excepthook, sys.unraisablehook = sys.__excepthook__, sys.__unraisablehook__  # pytest's report
-        import atexit
-        atexit._clear()  # the test process's: the command's own run at its end
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])  # a signal sent meanwhile arrives now, as python's
         threading.excepthook = threading.__excepthook__  # nothing: an error in a thread went unseen
         import faulthandler
         import logging
@@ -336,8 +368,6 @@ def fork_workers():
 
     def _popen(self, args, env):
         cmd = list(args)
-        if cmd[1:2] == ["-u"]:  # unbuffered stdout and stderr, as PYTHONUNBUFFERED makes them
-            cmd, env = [cmd[0], *cmd[2:]], dict(env, PYTHONUNBUFFERED="1")
         kw = dict(env=env, stdout=self._stdout, stderr=self._stderr, start_new_session=True)
         if forkable(cmd, kw, RUNTIME_ENV | TORCHRUN_ENV, _imported_with):  # against the test's environment
             return Forked(cmd, **kw)

@@ -83,17 +83,27 @@ def test_what_a_fork_cannot_have_runs_as_a_subprocess(tmp_path, monkeypatch):
     assert r.stdout == "2\n"
 
 
-WORKER = """import os, sys
-print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:], sys.stdout.write_through)
+WORKER = """import os, signal, sys, time
+handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)]
+name = open('/proc/self/comm').read().strip()
+print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:], sys.stdout.write_through,
+      handlers, name, os.getsid(0) == os.getpid())
 print('preloaded' if 'torch' in sys.modules else 'fresh', file=sys.stderr)  # a fork starts with torch
-sys.exit(3 if os.environ['RANK'] == '1' else 0)
+if os.environ['RANK'] == '0':
+    open('rank0_said', 'w').close()
+else:  # rank 1's failure ends the job (torchrun stops rank 0): once rank 0 has said its line
+    t0 = time.time()
+    while not os.path.exists('rank0_said') and time.time() - t0 < 60:
+        time.sleep(0.01)
+    sys.exit(3)
 """
 
 
 def test_torchruns_workers_are_forked_and_run_as_its_own(tmp_path):
     """torchrun's launcher, forked, forks its workers too: each with its rank's environment, its
-    arguments, unbuffered output (python -u) and its exit code (rank 1's 3 fails the job: torchrun
-    exits 1), as the real launcher's fresh interpreters have them."""
+    arguments, unbuffered output (python -u), python's signal handlers (not the launcher's), python's
+    process name, a session of its own, and its exit code (rank 1's 3 fails the job: torchrun exits
+    1), as the real launcher's fresh interpreters have them."""
     (tmp_path / "worker.py").write_text(WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "worker.py",
            "--a=1"]
@@ -101,10 +111,12 @@ def test_torchruns_workers_are_forked_and_run_as_its_own(tmp_path):
     p = forked.Popen(cmd, **kw)
     assert isinstance(p, forked.Forked)
     got = p.communicate(120)
+    (tmp_path / "rank0_said").unlink()
     want = subprocess.run(cmd, **kw, timeout=120)
     assert p.returncode == want.returncode == 1, (got, want)
-    assert sorted(got[0].splitlines()) == sorted(want.stdout.splitlines()) == [
-        f"rank {r} of 2 ['--a=1'] True" for r in (0, 1)], (got, want)
+    assert sorted(got[0].splitlines()) == sorted(want.stdout.splitlines()), (got, want)
+    assert [line.split()[:6] for line in sorted(want.stdout.splitlines())] == [
+        ["rank", str(r), "of", "2", "['--a=1']", "True"] for r in (0, 1)], want.stdout
     assert got[1].count("preloaded") == 2 and want.stderr.count("fresh") == 2, (got[1], want.stderr)
 
 
