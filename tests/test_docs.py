@@ -193,7 +193,7 @@ def read_log_lines(log_dir):
 def test_own_documents_commands_of_data_md(tmp_path):
     """Issue 21.11: docs/data.md's two commands for one's own documents run as written (the trainer
     stopped after 2 steps here), and without --shard_size a small corpus gets the warning the
-    docs quote."""
+    docs quote (smaller steps here: the commands' work, not the model's)."""
     import json
     commands = bash_block(read("docs", "data.md"), "## Training on your own documents")
     assert len(commands) == 2 and "--shard_size" in commands[0], commands
@@ -212,7 +212,7 @@ def test_own_documents_commands_of_data_md(tmp_path):
     assert 200_000 < size < 900_000 and 80_000 < tokens < 150_000, (size, tokens)
     assert len(glob.glob(str(tmp_path / "my_data" / "local_train_*.npy"))) >= 4  # named as local files'
     run_command(commands[1], tmp_path, "--max_steps=2", "--device=cpu", "--dtype=float32",
-                "--val_tokens=1024", "--sample_interval=0")
+                "--val_tokens=1024", "--sample_interval=0", "--total_batch_size=1024", "--B=4")
     assert "2 val " in (tmp_path / "log_my_data" / "log.txt").read_text()
     one_shard = commands[0].replace(" --shard_size 20000", "").replace("my_data", "my_data_one_shard")
     r = run_command(one_shard, tmp_path)

@@ -183,7 +183,8 @@ def test_torchrun_error_is_one_clean_line(tmp_path):
 
 
 def test_quick_start_pipeline(tmp_path):
-    """fineweb.py --demo, then config/demo_cpu.py (shortened): the README's quick start."""
+    """fineweb.py --demo, then config/demo_cpu.py (shortened, its steps a quarter): the README's quick
+    start."""
     import sys
     from conftest import ROOT
     data, log_dir = tmp_path / "demo", tmp_path / "log"
@@ -192,7 +193,7 @@ def test_quick_start_pipeline(tmp_path):
     assert r.returncode == 0, r.stderr
     r = run_script(["config/demo_cpu.py", f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=4",
                     "--warmup_steps=2", "--eval_interval=4", "--sample_interval=4", "--sample_length=8",
-                    "--val_tokens=4096"])
+                    "--val_tokens=4096", "--total_batch_size=1024", "--B=4"])
     assert r.returncode == 0, r.stderr
     log = read_log(log_dir)
     assert sorted(log["train"]) == [0, 1, 2, 3] and log["val"][4] < log["val"][0] - 1
