@@ -44,7 +44,7 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "model", "hellaswa
 RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "WANDB_MODE", "WANDB_SILENT", "FREE_0", "FREE_1",
                "FAULT", "STALL_RANK", "STALL_STEP", "SLOW_STEP", "SLOW_WRITE_S", "WAIT_FOR_ALL_S",
                "SLOW_RANK", "SLOW_FIRST_S", "NUDGE_RANK", "NUDGE_STEP", "HF_CACHE", "DOWNLOADS",
-               "HELLASWAG_SOURCE"}
+               "HELLASWAG_SOURCE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}  # the last: torchrun's rendezvous
 # what torchrun adds to its workers' environment: read when the worker runs, never at import
 TORCHRUN_ENV = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
                 "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -159,8 +159,8 @@ def test_readme_commands_run_in_order(tmp_path):
                         "python export_hf.py log_demo/model_00120.pt demo_hf"], run_here
     random_shards(tmp_path / "demo_stdlib", 0, 3000, [20000], vocab=50257)
     (tmp_path / "config").symlink_to(os.path.join(ROOT, "config"))  # commands run from the project's folder
-    tiny = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=32", "--T=32", "--B=2",
-            "--total_batch_size=128", "--val_tokens=256", "--sample_length=4", "--device=cpu",
+    tiny = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=32", "--T=16", "--B=2",
+            "--total_batch_size=64", "--val_tokens=256", "--sample_length=4", "--device=cpu",
             "--dtype=float32"]
     outs = {}
     for command in run_here[1:]:
