@@ -13,19 +13,21 @@ so a command that needs them runs as a real subprocess (and every command does u
 build of torch: gpu_build): variables read when torch is imported
 (a command whose environment changes anything but RUNTIME_ENV), and more than one thread (the
 command must set OMP_NUM_THREADS=1: OpenMP's pool of threads is not in the fork, and a parallel
-region would wait on it forever). torchrun's launcher, forked, forks its workers in turn (its
-`python -u script` commands, whose environment adds only torchrun's variables, TORCHRUN_ENV): a
-process each, in a session of its own, with its rank's environment, its signals and its exit code,
-as torchrun's own, without each worker's ~3 s of starting and stopping an interpreter. What differs
-there: a worker dies with its launcher (as every fork here dies with its parent) where a real one
-would run on, and it holds the launcher's open files (the store's sockets among them) until it
-ends. A test about what a fresh interpreter imports (lazy imports) must use subprocess itself: a
-fork starts with this process's modules, and their state.
+region would wait on it forever). torchrun's launcher, forked, has its workers forked in turn (its
+`python -u script` commands, whose environment adds only torchrun's variables, TORCHRUN_ENV), by a
+copy of itself made before it starts a thread (Zygote): a process each, the launcher's child, in a
+session of its own, with its rank's environment, its signals and its exit code, as torchrun's own,
+without each worker's ~3 s of starting and stopping an interpreter. What differs there: a worker
+dies with its launcher (as every fork here dies with its parent) where a real one would run on, and
+it holds the launcher's open files until it ends. A test about what a fresh interpreter imports
+(lazy imports) must use subprocess itself: a fork starts with this process's modules, and their
+state.
 """
 import ctypes
 import importlib
 import io
 import os
+import pickle
 import select
 import signal
 import subprocess
@@ -145,8 +147,18 @@ def kill_job(p, timeout=60):
 
 
 def children(pid):
-    """The pids of pid's children (torchrun's: its workers)."""
-    return [int(c) for c in os.listdir("/proc") if c.isdigit() and _stat(c)[1:2] == [str(pid)]]
+    """The pids of pid's children (torchrun's: its workers, not forked.py's Zygote)."""
+    return [int(c) for c in os.listdir("/proc") if c.isdigit() and _stat(c)[1:2] == [str(pid)]
+            and _comm(c) != Zygote.NAME]
+
+
+def _comm(pid):
+    """The process's name (ps's COMM), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def state(pid):
@@ -169,7 +181,7 @@ class Forked:
     to a temporary file, read when asked (no pipe to fill up and block the child)."""
 
     def __init__(self, cmd, cwd=None, env=None, stdout=None, stderr=None, text=False,
-                 start_new_session=False):
+                 start_new_session=False, adopter=None):
         for name in PRELOAD if _imported_with is None else ():  # imported once, in the test process
             __import__(name)
         self.args, self.returncode, self._text = cmd, None, text
@@ -189,7 +201,7 @@ class Forked:
             try:
                 os.close(ready)
                 status = _child(cmd, cwd, dict(os.environ if env is None else env), to, start_new_session,
-                                parent, started)
+                                adopter or parent, started)
             finally:
                 os._exit(status)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -199,6 +211,14 @@ class Forked:
         self._piped, self._pidfd = piped, os.pidfd_open(self.pid)
         self.stdout = self._open(1) if 1 in piped else None
         self.stderr = self._open(2) if 2 in piped else None
+
+    @classmethod
+    def adopted(cls, cmd, pid):
+        """A Forked over pid, a child of this process that another process forked (Zygote's)."""
+        self = cls.__new__(cls)
+        self.args, self.returncode, self._text, self._piped = cmd, None, False, {}
+        self.pid, self._pidfd, self.stdout, self.stderr = pid, os.pidfd_open(pid), None, None
+        return self
 
     def _open(self, fd):
         """A reader of what the child writes to fd, from the start, with an offset of its own."""
@@ -267,10 +287,13 @@ def _child(cmd, cwd, env, to, new_session, parent, started):
         # killed with the test process: a child stuck here must not hold its pipes (xdist's) open. Its
         # other files stay open: closing them would let a finalizer close a number since reused
         libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, os.path.basename(sys.executable).encode()[:15])  # PR_SET_NAME: not the parent's name
+        t0 = time.time()  # a zygote's worker: until the launcher adopts it (its forking process ends)
+        while os.getppid() != parent and time.time() - t0 < 30 and os.getppid() in Zygote.middles:
+            time.sleep(0.001)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the parent died before that: end as the signal would have
             return 128 + signal.SIGKILL
-        libc.prctl(15, os.path.basename(sys.executable).encode()[:15])  # PR_SET_NAME: not the parent's name
         global _imported_with
         if _imported_with is None:  # the test process's environment, which its modules were imported with
             _imported_with = dict(os.environ)
@@ -360,20 +383,89 @@ def _child(cmd, cwd, env, to, new_session, parent, started):
 
 
 def fork_workers():
-    """In torchrun's launcher, forked: each worker forked from it, when it can be (forkable), else
-    started as torchrun starts it. torchrun's command for a worker is `python -u script args`, in a
-    session of its own, with torchrun's variables added to the environment (TORCHRUN_ENV)."""
+    """In torchrun's launcher, forked, before it starts a thread: each worker forked by a Zygote
+    when it can be (forkable), else started as torchrun starts it. torchrun's command for a worker is
+    `python -u script args`, in a session of its own, with torchrun's variables added to the
+    environment (TORCHRUN_ENV)."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
-    popen = subprocess_handler.SubprocessHandler._popen
+    popen, zygote = subprocess_handler.SubprocessHandler._popen, Zygote()
 
     def _popen(self, args, env):
         cmd = list(args)
         kw = dict(env=env, stdout=self._stdout, stderr=self._stderr, start_new_session=True)
-        if forkable(cmd, kw, RUNTIME_ENV | TORCHRUN_ENV, _imported_with):  # against the test's environment
-            return Forked(cmd, **kw)
-        return popen(self, args, env)
+        forked = forkable(cmd, kw, RUNTIME_ENV | TORCHRUN_ENV, _imported_with)  # against the test's env
+        return (forked and zygote.start(cmd, env)) or popen(self, args, env)
 
     subprocess_handler.SubprocessHandler._popen = _popen
+
+
+class Zygote:
+    """A copy of torchrun's launcher made before the launcher starts a thread, which forks its
+    workers: no worker can start with a lock that one of the launcher's threads (its store's server,
+    its rendezvous' keep-alive) held at a fork, as a worker forked by the launcher itself could. Each
+    worker is forked by a middle process that then ends: the launcher, a child subreaper, adopts it
+    and waits for it as torchrun waits for its own. The zygote ends with the launcher; signals sent to
+    the launcher's process group stay blocked in it (no process of torchrun's job is signalled
+    differently)."""
+    NAME = "forked-zygote"  # its /proc/PID/comm: children() passes over it
+    middles = set()  # in a worker: the pids of the middle processes (its parent until it is adopted)
+
+    def __init__(self):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: the zygote's orphaned workers come to this process
+        launcher = os.getpid()
+        (asks, ask), (self._tell, tells) = os.pipe(), os.pipe()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                os.close(ask)
+                os.close(self._tell)
+                libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it ends with the launcher
+                if os.getppid() == launcher:
+                    libc.prctl(15, self.NAME.encode())  # PR_SET_NAME
+                    self._serve(os.fdopen(asks, "rb"), tells, launcher)
+            finally:
+                os._exit(0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(asks)
+        os.close(tells)
+        self._ask = os.fdopen(ask, "wb")
+
+    def _serve(self, asks, tells, launcher):
+        """The zygote: for each (cmd, env) asked, a worker, its pid told once it is in its session (0:
+        none). Its signals and its middle processes' stay blocked: a worker unblocks its own."""
+        while True:
+            try:
+                cmd, env = pickle.load(asks)
+            except EOFError:  # the launcher is gone
+                return
+            middle = os.fork()
+            if middle == 0:
+                pid = 0
+                try:
+                    Zygote.middles.add(os.getpid())
+                    pid = Forked(cmd, env=env, start_new_session=True, adopter=launcher).pid
+                finally:
+                    os.write(tells, pid.to_bytes(4, "little"))
+                    os._exit(0)
+            os.waitpid(middle, 0)
+
+    def start(self, cmd, env):
+        """In the launcher: the worker for cmd and env, forked by the zygote, a Forked once adopted;
+        None if the zygote could not make it."""
+        try:
+            pickle.dump((cmd, env), self._ask)
+            self._ask.flush()
+            pid = int.from_bytes(os.read(self._tell, 4), "little")
+        except OSError:  # the zygote is gone
+            return None
+        if pid == 0:
+            return None
+        t0 = time.time()
+        while _stat(pid)[1:2] != [str(os.getpid())] and state(pid) is not None and time.time() - t0 < 30:
+            time.sleep(0.0005)  # until its middle process has ended and the worker is this process's child
+        return Forked.adopted(cmd, pid)
 
 
 def _stream(fd, raw, **kw):

@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -118,6 +119,31 @@ def test_torchruns_workers_are_forked_and_run_as_its_own(tmp_path):
     assert [line.split()[:6] for line in sorted(want.stdout.splitlines())] == [
         ["rank", str(r), "of", "2", "['--a=1']", "True"] for r in (0, 1)], want.stdout
     assert got[1].count("preloaded") == 2 and want.stderr.count("fresh") == 2, (got[1], want.stderr)
+
+
+def test_torchruns_workers_come_from_a_copy_of_its_launcher_without_threads(tmp_path):
+    """The launcher runs threads when it starts its workers (its store's server, its rendezvous'
+    keep-alive), and a fork copies none of them but may copy a lock one of them holds: the workers are
+    forked by forked.py's zygote, made before those threads, which runs one thread. Each worker is the
+    launcher's child, in a session of its own, as torchrun's own workers are."""
+    (tmp_path / "wait.py").write_text("import os, time\nwhile not os.path.exists('go'):\n"
+                                      "    time.sleep(0.01)\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "wait.py"]
+    p = forked.Popen(cmd, cwd=tmp_path, env=one_thread(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    threads = lambda pid: len(os.listdir(f"/proc/{pid}/task"))  # noqa: E731
+    try:
+        t0 = time.time()
+        while len(forked.children(p.pid)) < 2 and time.time() - t0 < 60:
+            time.sleep(0.01)
+        workers = forked.children(p.pid)
+        zygote = [c for c in os.listdir("/proc") if c.isdigit() and forked._stat(c)[1:2] == [str(p.pid)]
+                  and forked._comm(c) == forked.Zygote.NAME]
+        assert len(workers) == 2 and len(zygote) == 1, (workers, zygote)
+        assert threads(p.pid) > 1 and threads(zygote[0]) == 1, (threads(p.pid), threads(zygote[0]))
+        assert all(os.getsid(w) == w for w in workers)
+    finally:
+        (tmp_path / "go").touch()
+    assert p.wait(60) == 0, p.communicate()
 
 
 # How a command ends, and so its exit code: sys.exit(n), the low byte of n as a C long (255: too big

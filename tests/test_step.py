@@ -356,9 +356,8 @@ def since(event, r):
 
 
 # The waits' runs mostly sleep (for a timeout, a slow write): they run at once, started one after
-# another from this thread (a fork never copies a thread of ours that holds a lock: torchrun's
-# launchers fork their workers with threads of theirs running, which touch nothing a worker uses),
-# then awaited in threads.
+# another from this thread (a fork never copies a thread that holds a lock: torchrun's launchers, forked,
+# have their workers forked by a copy made before their threads, tests/forked.py), then awaited in threads.
 # One xdist worker runs them all (loadgroup): the other is free for the rest of the suite.
 SLOW_FIRST_TIMEOUT = 10  # the slow first eval and step: 2.5x this in all
 WAIT_RUNS = {
