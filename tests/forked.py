@@ -46,7 +46,8 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "model", "hellaswa
 RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "WANDB_MODE", "WANDB_SILENT", "FREE_0", "FREE_1",
                "FAULT", "STALL_RANK", "STALL_STEP", "SLOW_STEP", "SLOW_WRITE_S", "WAIT_FOR_ALL_S",
                "SLOW_RANK", "SLOW_FIRST_S", "NUDGE_RANK", "NUDGE_STEP", "HF_CACHE", "DOWNLOADS",
-               "HELLASWAG_SOURCE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}  # the last: torchrun's rendezvous
+               "HELLASWAG_SOURCE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHINDUCTOR_CACHE_DIR"}
+# (the last two: torchrun's rendezvous; inductor's cache, set in os.environ by the first compile or reset)
 # what torchrun adds to its workers' environment: read when the worker runs, never at import
 TORCHRUN_ENV = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
                 "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -181,7 +182,7 @@ class Forked:
     to a temporary file, read when asked (no pipe to fill up and block the child)."""
 
     def __init__(self, cmd, cwd=None, env=None, stdout=None, stderr=None, text=False,
-                 start_new_session=False, adopter=None):
+                 start_new_session=False, adopter=None, ignored=None):
         for name in PRELOAD if _imported_with is None else ():  # imported once, in the test process
             __import__(name)
         self.args, self.returncode, self._text = cmd, None, text
@@ -201,7 +202,7 @@ class Forked:
             try:
                 os.close(ready)
                 status = _child(cmd, cwd, dict(os.environ if env is None else env), to, start_new_session,
-                                adopter or parent, started)
+                                adopter or parent, started, ignored)
             finally:
                 os._exit(status)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -257,7 +258,14 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def _child(cmd, cwd, env, to, new_session, parent, started):
+def ignored_signals():
+    """The signals this process ignores: a command it starts would ignore them too (exec keeps
+    SIG_IGN, and resets the signals it handles)."""
+    return {sig for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
+            if signal.getsignal(sig) == signal.SIG_IGN}
+
+
+def _child(cmd, cwd, env, to, new_session, parent, started, ignored=None):
     """In the forked child, its signals blocked: become the command and run it as `python` would; the
     status to exit with, as python's (Ctrl-C not caught: killed by SIGINT, as python ends then)."""
     status, interrupted = 1, False
@@ -268,12 +276,16 @@ def _child(cmd, cwd, env, to, new_session, parent, started):
         if new_session:
             os.setsid()
         os.close(started)  # Forked() returns: the session is made
-        # as a fresh interpreter starts: default signal handlers (the launcher's handle TERM, INT, HUP,
-        # QUIT and what TORCHELASTIC_SIGNALS_TO_HANDLE adds), hooks, warnings, logging and threads
+        # as a fresh interpreter starts: signals as exec leaves them (what the parent ignores stays
+        # ignored, what it handles is reset: a launcher's TERM, INT, HUP, QUIT...), then as python sets
+        # them; and python's hooks, warnings, logging and threads
+        ignored = ignored_signals() if ignored is None else ignored
         for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
-            if callable(signal.getsignal(sig)):
-                signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_IGN)
+        if signal.SIGINT not in ignored:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.excepthook, sys.unraisablehook = sys.__excepthook__, sys.__unraisablehook__  # pytest's report
         import atexit
         atexit._clear()  # the test process's (a launcher's): the command's own run at its end
@@ -437,7 +449,7 @@ class Zygote:
         none). Its signals and its middle processes' stay blocked: a worker unblocks its own."""
         while True:
             try:
-                cmd, env = pickle.load(asks)
+                cmd, env, ignored = pickle.load(asks)
             except EOFError:  # the launcher is gone
                 return
             middle = os.fork()
@@ -445,7 +457,7 @@ class Zygote:
                 pid = 0
                 try:
                     Zygote.middles.add(os.getpid())
-                    pid = Forked(cmd, env=env, start_new_session=True, adopter=launcher).pid
+                    pid = Forked(cmd, env=env, start_new_session=True, adopter=launcher, ignored=ignored).pid
                 finally:
                     os.write(tells, pid.to_bytes(4, "little"))
                     os._exit(0)
@@ -455,7 +467,7 @@ class Zygote:
         """In the launcher: the worker for cmd and env, forked by the zygote, a Forked once adopted;
         None if the zygote could not make it."""
         try:
-            pickle.dump((cmd, env), self._ask)
+            pickle.dump((cmd, env, ignored_signals()), self._ask)  # the launcher's now, not the zygote's
             self._ask.flush()
             pid = int.from_bytes(os.read(self._tell, 4), "little")
         except OSError:  # the zygote is gone
