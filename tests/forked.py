@@ -268,7 +268,7 @@ def ignored_signals():
 def _child(cmd, cwd, env, to, new_session, parent, started, ignored=None):
     """In the forked child, its signals blocked: become the command and run it as `python` would; the
     status to exit with, as python's (Ctrl-C not caught: killed by SIGINT, as python ends then)."""
-    status, interrupted = 1, False
+    status, interrupted, forker = 1, False, os.getppid()  # forker: the parent, or a zygote's middle
     unbuffered = cmd[1] == "-u"  # python -u script ...
     if unbuffered:
         cmd = [cmd[0], *cmd[2:]]
@@ -300,8 +300,8 @@ def _child(cmd, cwd, env, to, new_session, parent, started, ignored=None):
         # other files stay open: closing them would let a finalizer close a number since reused
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(15, os.path.basename(sys.executable).encode()[:15])  # PR_SET_NAME: not the parent's name
-        t0 = time.time()  # a zygote's worker: until the launcher adopts it (its forking process ends)
-        while os.getppid() != parent and time.time() - t0 < 30 and os.getppid() in Zygote.middles:
+        t0 = time.time()  # a zygote's worker: until the launcher adopts it (its forking middle ends)
+        while forker != parent and os.getppid() == forker and time.time() - t0 < 30:
             time.sleep(0.001)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the parent died before that: end as the signal would have
@@ -405,8 +405,8 @@ def fork_workers():
     def _popen(self, args, env):
         cmd = list(args)
         kw = dict(env=env, stdout=self._stdout, stderr=self._stderr, start_new_session=True)
-        forked = forkable(cmd, kw, RUNTIME_ENV | TORCHRUN_ENV, _imported_with)  # against the test's env
-        return (forked and zygote.start(cmd, env)) or popen(self, args, env)
+        can = forkable(cmd, kw, RUNTIME_ENV | TORCHRUN_ENV, _imported_with)  # against the test's env
+        return (can and zygote.start(cmd, env)) or popen(self, args, env)
 
     subprocess_handler.SubprocessHandler._popen = _popen
 
@@ -420,7 +420,6 @@ class Zygote:
     the launcher's process group stay blocked in it (no process of torchrun's job is signalled
     differently)."""
     NAME = "forked-zygote"  # its /proc/PID/comm: children() passes over it
-    middles = set()  # in a worker: the pids of the middle processes (its parent until it is adopted)
 
     def __init__(self):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -445,23 +444,27 @@ class Zygote:
         self._ask = os.fdopen(ask, "wb")
 
     def _serve(self, asks, tells, launcher):
-        """The zygote: for each (cmd, env) asked, a worker, its pid told once it is in its session (0:
-        none). Its signals and its middle processes' stay blocked: a worker unblocks its own."""
+        """The zygote: for each (cmd, env, ignored) asked, a worker, its pid told (0: none) once it is in
+        its session and its middle process is gone, so the launcher's child. Its signals and its middle
+        processes' stay blocked: a worker unblocks its own."""
         while True:
             try:
                 cmd, env, ignored = pickle.load(asks)
             except EOFError:  # the launcher is gone
                 return
+            got, put = os.pipe()
             middle = os.fork()
             if middle == 0:
                 pid = 0
                 try:
-                    Zygote.middles.add(os.getpid())
                     pid = Forked(cmd, env=env, start_new_session=True, adopter=launcher, ignored=ignored).pid
                 finally:
-                    os.write(tells, pid.to_bytes(4, "little"))
+                    os.write(put, pid.to_bytes(4, "little"))
                     os._exit(0)
-            os.waitpid(middle, 0)
+            os.close(put)
+            os.waitpid(middle, 0)  # its worker, orphaned, is the launcher's now (a subreaper's)
+            os.write(tells, os.read(got, 4))
+            os.close(got)
 
     def start(self, cmd, env):
         """In the launcher: the worker for cmd and env, forked by the zygote, a Forked once adopted;
@@ -472,12 +475,7 @@ class Zygote:
             pid = int.from_bytes(os.read(self._tell, 4), "little")
         except OSError:  # the zygote is gone
             return None
-        if pid == 0:
-            return None
-        t0 = time.time()
-        while _stat(pid)[1:2] != [str(os.getpid())] and state(pid) is not None and time.time() - t0 < 30:
-            time.sleep(0.0005)  # until its middle process has ended and the worker is this process's child
-        return Forked.adopted(cmd, pid)
+        return Forked.adopted(cmd, pid) if pid else None
 
 
 def _stream(fd, raw, **kw):
