@@ -19,8 +19,6 @@ from gptkit.common import UserError, atomic_write
 from gptkit.hardware import autocast, pick_device
 from gptkit.tokenizer import N_VOCAB, get_gpt2_encoding
 
-URLS = {split: f"https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
-        for split in ("train", "val", "test")}
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hellaswag")
 
 
@@ -30,7 +28,7 @@ def download(split, cache_dir=CACHE_DIR, url=None):
     path = os.path.join(cache_dir, f"hellaswag_{split}.jsonl")
     if os.path.isfile(path):
         return path
-    url = url or URLS[split]
+    url = url or f"https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
     import http.client
     import urllib.request
 
@@ -95,38 +93,40 @@ def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1, on
             raise UserError(f"an ending of {max(map(len, endings))} tokens does not fit in "
                             f"block_size={block_size}")
         long += cut > 0
-        packed.append((ctx[cut:], endings))
+        ctx = ctx[cut:]
+        # its row, a cell (token, seg, position) per token: the context, then each ending at the positions
+        # right after the context, as if it followed the context alone
+        cells = [(t, 0, p) for p, t in enumerate(ctx)] + [
+            (t, i + 1, len(ctx) + p) for i, ending in enumerate(endings) for p, t in enumerate(ending)]
+        # the ending tokens it scores, a (where, token, ending) each: where in the row the token that
+        # predicts it is, the one before it, or for an ending's first the context's last (at position
+        # p - 1); with no context, an ending's first token has nothing before it and is not scored
+        targets = [(k - 1 if p > len(ctx) else p - 1, t, s - 1)
+                   for k, (t, s, p) in enumerate(cells) if s > 0 and p > 0]
+        packed.append(dict(cells=cells, targets=targets, context=len(ctx), label=example['label']))
     if long and rank == 0:
         print(f"hellaswag: {long} examples are longer than block_size={block_size}: "
               f"their contexts lose tokens from the left")
-    length = lambda j: len(packed[j][0]) + sum(map(len, packed[j][1]))
-    mine = sorted(range(len(examples)), key=length)[rank::world]  # a batch's rows are about as long
+    mine = sorted(packed, key=lambda p: len(p['cells']))[rank::world]  # a batch's rows are about as long
     groups = [mine[i:i + batch_examples] for i in range(0, len(mine), batch_examples)]
-    shapes = [(len(g), max(map(length, g)), sum(length(j) - len(packed[j][0]) for j in g)) for g in groups]
+    # (rows, L, M) of each batch: M, its ending tokens (all but the contexts')
+    shapes = [(len(g), max(len(p['cells']) for p in g), sum(len(p['cells']) - p['context'] for p in g))
+              for g in groups]
     if one_shape:  # (rows, L, M) of the largest
         shapes = [(batch_examples, max(s[1] for s in shapes), max(s[2] for s in shapes))] * len(groups)
     batches = []
     for b, (g, (E, L, M)) in enumerate(zip(groups, shapes)):
-        x, seg, pos = (torch.full((E, L), fill, dtype=torch.long) for fill in (0, 5, 0))
-        at, y, row = [], [], []
-        for r, j in enumerate(g):
-            ctx, endings = packed[j]
-            c, start = len(ctx), r * L + len(ctx)  # start: where the next ending begins in x.view(-1)
-            x[r, :c], seg[r, :c], pos[r, :c] = torch.tensor(ctx, dtype=torch.long), 0, torch.arange(c)
-            for i, e in enumerate(endings):
-                n, first = len(e), int(c == 0)  # no context: an ending's first token is not scored
-                x[r, start - r * L:start - r * L + n] = torch.tensor(e)
-                seg[r, start - r * L:start - r * L + n] = i + 1
-                pos[r, start - r * L:start - r * L + n] = torch.arange(c, c + n)
-                at += ([r * L + c - 1] if c else []) + list(range(start, start + n - 1))  # what predicts each
-                y += e[first:]
-                row += [4 * (b * batch_examples + r) + i] * (n - first)
-                start += n
-        pad = M - len(y)
-        batches.append(tuple(t.to(device) for t in (x, seg, pos, torch.tensor(at + [0] * pad),
-                                                    torch.tensor(y + [0] * pad),
-                                                    torch.tensor(row + [4 * len(mine)] * pad))))
-    return batches, torch.tensor([examples[j]['label'] for j in mine], device=device)
+        # each example's row right-padded to L, then rows of padding up to E: token 0, seg 5, position 0
+        grid = ([p['cells'] + [(0, 5, 0)] * (L - len(p['cells'])) for p in g]
+                + [[(0, 5, 0)] * L] * (E - len(g)))
+        x, seg, pos = torch.tensor(grid).unbind(-1)  # (E, L) each
+        # the examples' targets, now with where in x.view(-1) and which ending among all of the rank's
+        targets = [(r * L + k, t, 4 * (b * batch_examples + r) + i)
+                   for r, p in enumerate(g) for k, t, i in p['targets']]
+        # (M,) each, after padding up to M: token 0, predicted at 0, summed in a row past the rank's endings
+        at, y, row = torch.tensor(targets + [(0, 0, 4 * len(mine))] * (M - len(targets))).unbind(-1)
+        batches.append(tuple(t.to(device) for t in (x, seg, pos, at, y, row)))
+    return batches, torch.tensor([p['label'] for p in mine], device=device)
 
 
 def batch_losses(model, x, seg, pos, at, y):
@@ -134,15 +134,15 @@ def batch_losses(model, x, seg, pos, at, y):
     float32, after its context and the tokens before it in its ending. Shapes fixed by the batch, and
     no op whose output's size depends on the data: nothing waits for the host, and compiled it is one
     graph."""
-    causal = torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device).tril()
-    sees = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (E, L, L): context, or its own
-    h = model.hidden_states(x, pos=pos, mask=(sees & causal)[:, None])  # (E, L, n_embd)
-    h = h.flatten(0, 1)[at]  # (M, n_embd): the output layer runs only where an ending token is next
+    # (E, L, L): what each token sees, up to itself: the context, and its own ending
+    sees = torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device).tril() & (
+        (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
+    # (M, n_embd): the hidden states where an ending token is next; the output layer runs only there
+    h = model.hidden_states(x, pos=pos, mask=sees[:, None]).flatten(0, 1)[at]
     logits = model.lm_head(h).float()  # (M, vocab)
     return torch.logsumexp(logits, dim=1) - logits.gather(1, y[:, None])[:, 0]
 
 
-@torch.no_grad()
 def ending_losses(model, prepared, dtype="float32", compile=False):
     """(sum, mean) losses of every ending of prepare's output (on the model's device), 4 per example
     in its order: each ending token's cross-entropy after the tokens before it, in float32."""
@@ -150,20 +150,20 @@ def ending_losses(model, prepared, dtype="float32", compile=False):
     model.eval()  # no dropout, whatever mode the model came in (the trainer's step sets train mode)
     f = torch.compile(batch_losses, dynamic=False) if compile else batch_losses  # one graph: dynamo keeps it
     sums = torch.zeros(2, 4 * len(labels) + 1, device=device)  # per row: summed losses, scored tokens
-    with autocast(device, dtype):
-        for *batch, row in batches:
-            losses = f(model, *batch)
-            sums.index_add_(1, row, torch.stack((losses, torch.ones_like(losses))))
+    with torch.no_grad(), autocast(device, dtype):
+        for *batch, row in batches:  # each token: its loss, and 1 to count it
+            sums.index_add_(1, row, torch.stack((f(model, *batch), torch.ones(row.shape, device=device))))
     return sums[0, :-1], sums[0, :-1] / sums[1, :-1]
 
 
 def evaluate(model, prepared, dtype="float32", compile=False):
     """(examples, correct by acc, correct by acc_norm) of prepare's output: a tensor (3,) on the
     model's device, counted without the host; sum it over ranks for the whole set."""
-    total, mean = ending_losses(model, prepared, dtype, compile)
     labels = prepared[1]
-    picks = torch.stack((total.view(-1, 4).argmin(1), mean.view(-1, 4).argmin(1))) == labels  # (2, examples)
-    return torch.cat((labels.new_tensor([len(labels)]), picks.sum(1)))
+    # (2, examples): each one's pick by acc (the lowest summed loss), by acc_norm (the lowest mean)
+    picks = torch.stack([loss.view(-1, 4).argmin(1)
+                         for loss in ending_losses(model, prepared, dtype, compile)])
+    return torch.cat((labels.new_tensor([len(labels)]), (picks == labels).sum(1)))
 
 
 def examples_per_batch(B, T):
@@ -183,22 +183,21 @@ def load_for_training(file, model, batch_examples, device, one_shape=False):
         why = f"vocab_size={model.config.vocab_size} is smaller than GPT-2's {N_VOCAB}"
     else:
         path = file or os.path.join(CACHE_DIR, 'hellaswag_val.jsonl')
-        # once per node (LOCAL_RANK 0), as nodes may not share ./hellaswag/; the others wait for it in the
-        # collective below; on a shared folder each rename is atomic
-        if not file and int(os.environ.get('LOCAL_RANK', 0)) == 0:
-            try:
-                download('val')  # nothing to do once cached
-            except UserError as e:
-                why = str(e)
-        parallel.agree(0)  # each node's download first, however long (within the first step's timeout)
-        if os.path.isfile(path):
-            examples = list(iterate_examples(file=path))  # bad data: UserError
-            if not examples:  # every rank reads the same file: all stop here, before step 0
-                raise UserError(f"{path}: no HellaSwag examples in it")
-        else:
-            why = why or f"{path} not found"
+        # the split: downloaded once per node (LOCAL_RANK 0), as nodes may not share ./hellaswag/; the
+        # others wait for it in the collective below; on a shared folder each rename is atomic
+        if not file:
+            if int(os.environ.get('LOCAL_RANK', 0)) == 0:
+                try:
+                    download('val')  # nothing to do once cached
+                except UserError as e:
+                    why = str(e)
+            parallel.agree(0)  # each node's download first, however long (within the first step's timeout)
+        examples = list(iterate_examples(file=path)) if os.path.isfile(path) else None  # bad data: UserError
+        if examples == []:  # every rank reads the same file: all stop here, before step 0
+            raise UserError(f"{path}: no HellaSwag examples in it")
     if not parallel.agree(examples is not None, 'min'):  # e.g. a node without the file: every rank stops
-        raise UserError(f"no HellaSwag eval: {why or 'not on every node'}; pass --hellaswag_file=PATH "
+        why = why or (f"{path} not found" if examples is None else "not on every node")
+        raise UserError(f"no HellaSwag eval: {why}; pass --hellaswag_file=PATH "
                         f"(a HellaSwag val jsonl file) or --hellaswag=False")
     return prepare(examples, model.config.block_size, device, batch_examples, parallel.rank(),
                    parallel.world_size(), one_shape)

@@ -54,9 +54,8 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if kv_cache is not None:  # (2, B, nh, >= start_pos + T, hs), filled up to start_pos
-            kv_cache[0, :, :, start_pos:start_pos + T] = k
-            kv_cache[1, :, :, start_pos:start_pos + T] = v
-            k, v = kv_cache[0, :, :, :start_pos + T], kv_cache[1, :, :, :start_pos + T]
+            kv_cache[:, :, :, start_pos:start_pos + T] = torch.stack((k, v))
+            k, v = kv_cache[:, :, :, :start_pos + T]  # every key and value so far
         # mask: which keys each query sees (True); None: plain causal attention over these T tokens
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
@@ -119,9 +118,9 @@ class GPT(nn.Module):
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, 'RESIDUAL_SCALE_INIT', False):
-                std *= (2 * self.config.n_layer) ** -0.5  # two residual additions per layer
+            # the layers that write into the residual stream: scaled down for its two additions per layer
+            residual = getattr(module, 'RESIDUAL_SCALE_INIT', False)
+            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if residual else 0.02
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
@@ -158,8 +157,7 @@ class GPT(nn.Module):
             pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)  # (T,)
         if mask is None and start_pos > 0:  # the T new queries see every cached key before them
             mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=idx.device).tril(start_pos)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
-        x = self.drop(x, dropout_keys, 0)
+        x = self.drop(self.transformer.wte(idx) + self.transformer.wpe(pos), dropout_keys, 0)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):  # block i's dropout sites: 1 + 2i and 2 + 2i
             drop = lambda y, j, i=i: self.drop(y, dropout_keys, 1 + 2 * i + j)  # noqa: E731
             x = block(x, mask, None if kv_cache is None else kv_cache[i], start_pos, drop)
@@ -186,8 +184,9 @@ class GPT(nn.Module):
         the fused kernel whatever device_type (kept for callers): the trainer skips a step on the device
         through its found_inf, as GradScaler does."""
         params = [p for p in self.parameters() if p.requires_grad]  # parameters() lists tied ones once
-        matrices = {id(p) for block in self.transformer.h for p in block.parameters() if p.dim() == 2}
-        to_muon = matrices if optimizer == 'muon' else set()
+        # with Muon: the blocks' matmul weights go to it
+        to_muon = ({id(p) for block in self.transformer.h for p in block.parameters() if p.dim() == 2}
+                   if optimizer == 'muon' else set())
         muon, rest = [p for p in params if id(p) in to_muon], [p for p in params if id(p) not in to_muon]
         optim_groups = [
             {'params': [p for p in rest if p.dim() >= 2], 'weight_decay': weight_decay},
@@ -289,29 +288,22 @@ class GPT(nn.Module):
     # -------------------------------------------------------------------------
     # generation
 
-    def new_kv_cache(self, B, length):
-        """Empty key/value buffers for B sequences of up to `length` positions: per layer
-        (2, B, nh, length, hs), in autocast's dtype when it is on (k and v come in that dtype)."""
-        nh, hs = self.config.n_head, self.config.n_embd // self.config.n_head
-        device, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
-        if torch.is_autocast_enabled(device.type):
-            dtype = torch.get_autocast_dtype(device.type)
-        return [torch.empty(2, B, nh, length, hs, device=device, dtype=dtype) for _ in self.transformer.h]
-
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Append max_new_tokens sampled tokens to idx (B, T) and return it. Keys and values are
         cached, so each new token costs one position's forward. Once the sequence outgrows
         block_size the positions of all tokens shift, and the window is recomputed each step."""
-        bs = self.config.block_size
-        kv_cache = self.new_kv_cache(idx.size(0), min(bs, idx.size(1) + max_new_tokens))  # the longest window
+        bs, nh, hs = self.config.block_size, self.config.n_head, self.config.n_embd // self.config.n_head
+        device, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
+        if torch.is_autocast_enabled(device.type):  # k and v come in autocast's dtype
+            dtype = torch.get_autocast_dtype(device.type)
+        shape = (2, idx.size(0), nh, min(bs, idx.size(1) + max_new_tokens), hs)  # (2, B, nh, window, hs)
+        kv_cache = [torch.empty(shape, device=device, dtype=dtype) for _ in self.transformer.h]  # per layer
         n_cached = 0  # positions of idx[:, -bs:] already in the cache
         for _ in range(max_new_tokens):
-            if idx.size(1) > bs:  # the window slid: cached positions are stale
-                n_cached = 0
-            window = idx[:, -bs:]
-            logits, _ = self(window[:, n_cached:], kv_cache=kv_cache, start_pos=n_cached)
-            n_cached = window.size(1)
+            n_cached = n_cached if idx.size(1) <= bs else 0  # once the window slides, the cache is stale
+            logits, _ = self(idx[:, -bs:][:, n_cached:], kv_cache=kv_cache, start_pos=n_cached)  # new ones
+            n_cached = min(idx.size(1), bs)  # the window's positions, all in the cache now
             logits = logits[:, -1, :].float() / temperature  # (B, vocab_size)
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))

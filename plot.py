@@ -22,7 +22,7 @@ import statistics
 import sys
 
 from gptkit.common import UserError, atomic_write
-from gptkit.shards import is_fineweb_edu
+from gptkit.shards import FINEWEB_EDU
 
 KINDS = ('train', 'val', 'bpb', 'hella', 'epoch')  # drawn; epoch: '{step} epoch {n}' where epoch n begins
 # the reference lines of each panel. loss: GPT-2's val loss on FineWeb-Edu's val shard, drawn only over
@@ -60,9 +60,19 @@ def read_log(log_dir):
     return curves
 
 
+def is_fineweb_edu(dataset, data_root):
+    """Whether a run's data is FineWeb-Edu: dataset as shards.dataset_of says; without one (shards
+    with no manifest, like build-nanogpt's, or a run.json older than the key), data_root named as its
+    folders are."""
+    if dataset is not None:
+        return dataset.split(' ')[0] == FINEWEB_EDU
+    name = os.path.basename(os.path.normpath(data_root)).lower()
+    return 'fineweb' in name and 'edu' in name
+
+
 def trained_on_fineweb_edu(log_dir):
     """Whether log_dir's val loss is measured on FineWeb-Edu, as GPT-2's reference val loss is: the
-    dataset of run.json's last entry (its latest start), or its data_root's name (shards.is_fineweb_edu).
+    dataset of run.json's last entry (its latest start), or its data_root's name (is_fineweb_edu).
     No run.json: a build-nanogpt log dir, which trains on FineWeb-Edu only. An unreadable run.json: no."""
     path = os.path.join(log_dir, 'run.json')
     if not os.path.isfile(path):

@@ -16,21 +16,16 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gptkit import checkpoint, run_record
-from gptkit.common import UserError
-from gptkit.configurator import accumulation_steps, parse_config
-from gptkit.cpu import fuse_loss, reuse_freed_memory
-from gptkit.hardware import autocast, choose_precision, peak_flops, pick_device
+from gptkit import checkpoint, configurator, cpu, hardware, run_record, shards, tokenizer
 from gptkit.parallel import (agree, first_step_timeout, restart_store, set_collective_timeout,
-                             set_rank_environment, state_mib)
-from gptkit.shards import DataLoaderLite, find_shards, load_val_tokens, val_batches
-from gptkit.tokenizer import get_gpt2_encoding, utf8_bytes
+                             set_rank_environment)
+from gptkit.common import UserError
+from gptkit.shards import DataLoaderLite
 from model import GPT, GPTConfig, flops_per_token
 
 # -----------------------------------------------------------------------------
@@ -92,7 +87,7 @@ DEFAULTS = {k: v for k, v in globals().items() if k[0] != '_' and type(v) in (bo
 # From here on an error ends the run with one line (a bad config value, out of memory at B, a rank that
 # stopped answering), and however the run ends its process group and log_dir are released.
 checkpoint.one_line_errors(lambda: B)
-config = parse_config(sys.argv[1:], DEFAULTS, __doc__)  # config files, then --key=value; -h lists them
+config = configurator.parse_config(sys.argv[1:], DEFAULTS, __doc__)  # config files, --key=value; -h: list
 globals().update(config)  # the constants as overridden, for the rest of the script
 
 # -----------------------------------------------------------------------------
@@ -129,13 +124,11 @@ ddp = 'RANK' in os.environ
 rank, local_rank, world_size = (int(os.environ.get(k, v)) for k, v in (('RANK', 0), ('LOCAL_RANK', 0),
                                                                          ('WORLD_SIZE', 1)))
 master_process = rank == 0  # this process prints, logs and writes checkpoints
-device = pick_device(device, local_rank if ddp else None)  # torchrun: cuda:LOCAL_RANK, a GPU each
+device = hardware.pick_device(device, local_rank if ddp else None)  # torchrun: cuda:LOCAL_RANK, a GPU each
 cuda = device.startswith('cuda')
 if cuda:
     torch.cuda.set_device(device)
     torch.set_float32_matmul_precision('high')  # TF32 for the float32 matmuls
-if device == 'cpu' and cpu_reuse_memory:
-    reuse_freed_memory()  # the CPU's own speed trick: gptkit/cpu.py
 if ddp:
     # NCCL between GPUs, gloo between CPU processes. A collective that waits past its timeout ends the
     # run (a stuck rank): an hour until the first step and the first evals are done, as each rank
@@ -145,7 +138,7 @@ if ddp:
     dist.init_process_group(backend='nccl' if cuda else 'gloo', store=restart_store(), rank=rank,
                             world_size=world_size, device_id=torch.device(device) if cuda else None,
                             timeout=first_step_timeout(collective_timeout))
-config = choose_precision(config, device)  # dtype and compile "auto" made concrete, alike on every rank
+config = hardware.choose_precision(config, device)  # dtype and compile "auto", the same on every rank
 dtype, compile = config['dtype'], config['compile']
 sharded = ddp and parallel == 'fsdp'  # FSDP: each rank holds a shard of the state (docs/fsdp.md)
 if sharded:
@@ -155,7 +148,7 @@ if sharded:
 # the model: resumed from log_dir's newest checkpoint (resume="auto": the same command continues a
 # stopped run), fresh, or OpenAI's/HF's weights
 for split in ('train', 'val') if eval_interval > 0 else ('train',):
-    find_shards(data_root, split)  # a missing folder is reported before log_dir is made or a model built
+    shards.find_shards(data_root, split)  # a missing folder is said before log_dir is made or a model built
 checkpoint.claim_log_dir(log_dir)  # one run per log_dir: rank 0 locks log_dir/run.lock
 torch.manual_seed(seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
 ckpt_path, ckpt = checkpoint.find_checkpoint(log_dir, resume)  # rank 0 validates it; the others follow
@@ -185,28 +178,31 @@ if B == 'auto':  # the most that fit this device's free memory, by count; every 
 
 # -----------------------------------------------------------------------------
 # the data: every step reads total_batch_size tokens, B*T per micro-step per rank
-grad_accum_steps = accumulation_steps(total_batch_size, B, T, world_size)  # total // (B * T * world_size)
+grad_accum_steps = configurator.accumulation_steps(total_batch_size, B, T, world_size)  # total / (B*T*world)
 vocab = raw_model.config.vocab_size
 train_loader = DataLoaderLite(B, T, rank, world_size, 'train', data_root, grad_accum_steps, vocab, shuffle,
                               seed)
 if eval_interval > 0:  # the first val_tokens of the val split, on the device once: (batches, B, T) each
-    val_tokens_np = load_val_tokens(data_root, val_tokens // T * T, vocab)
-    val_x, val_y, val_text = (t.to(device) for t in val_batches(val_tokens_np, B, T, rank, world_size))
-    val_targets, val_bytes = len(val_tokens_np) - 1, max(1, utf8_bytes(val_tokens_np[1:]))
+    val_tokens_np = shards.load_val_tokens(data_root, val_tokens // T * T, vocab)
+    val_x, val_y, val_text = (t.to(device) for t in shards.val_batches(val_tokens_np, B, T, rank, world_size))
+    val_targets, val_bytes = len(val_tokens_np) - 1, max(1, tokenizer.utf8_bytes(val_tokens_np[1:]))
 
 # -----------------------------------------------------------------------------
 # to the device, the optimizer, compile and DDP
 raw_model.to(device)  # never wrapped: its state_dict has no prefixes
-if device == 'cpu':
-    fuse_loss(raw_model)  # the CPU's training loss in one pass over the logits: gptkit/cpu.py
+if device == 'cpu':  # the CPU's own speed tricks (gptkit/cpu.py): a GPU never runs them
+    cpu.fuse_loss(raw_model)  # the training loss in one pass over the logits
+    if cpu_reuse_memory:
+        cpu.reuse_freed_memory()  # freed memory kept for reuse: faster steps, more peak RSS
 if sharded:
     fsdp.shard(raw_model)  # before the optimizer, which must see the shards
 device_type = torch.device(device).type
 optimizer = raw_model.configure_optimizers(weight_decay, max_lr, device_type, optimizer, muon_lr,
                                            muon_momentum)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')  # a no-op unless float16
-step, evaluated, bad_steps = 0, False, 0  # updates done; the evals of `step` done; non-finite steps in a row
-logs = {}  # the bytes of log.txt and samples.txt that this run keeps: none when it starts afresh
+# updates done; the evals of `step` done; non-finite steps in a row; the bytes of log.txt and
+# samples.txt that this run keeps (none when it starts afresh)
+step, evaluated, bad_steps, logs = 0, False, 0, {}
 if ckpt is not None:  # everything save_checkpoint (below) wrote, back in its place
     opt_state = dict(ckpt['optimizer'], param_groups=optimizer.state_dict()['param_groups'])  # our settings
     if sharded:
@@ -236,38 +232,37 @@ if ckpt is not None:  # everything save_checkpoint (below) wrote, back in its pl
             print(f"nothing to do: {ckpt_path} is step {step} and max_steps={max_steps}; raise max_steps to "
                   f"train on, or point log_dir elsewhere to start afresh")
         sys.exit(0)
-model = torch.compile(raw_model, dynamic=False) if compile else raw_model  # static shapes: one graph
+# static shapes: one graph. The evals run it without DDP: their batches differ per rank
+model = eval_model = torch.compile(raw_model, dynamic=False) if compile else raw_model
 if ddp and not sharded:
     for p in raw_model.parameters():  # DDP makes these its buckets' views: no second copy of the gradients
         p.grad = torch.zeros_like(p)
     model = DDP(model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True)
-eval_model = model.module if isinstance(model, DDP) else model  # the evals' batches differ per rank: no DDP
 hella_data = None
 if hellaswag and eval_interval > 0:  # each rank's share of the examples, made once, on the device
     import hellaswag as hellaswag_eval
-    examples = hellaswag_eval.examples_per_batch(B, T)
-    hella_data = hellaswag_eval.load_for_training(hellaswag_file, raw_model, examples, device, compile)
+    hella_data = hellaswag_eval.load_for_training(hellaswag_file, raw_model,
+                                                  hellaswag_eval.examples_per_batch(B, T), device, compile)
 
 # -----------------------------------------------------------------------------
 # the run starts: what it is, in the output and in log_dir
+flops_per_tok = flops_per_token(raw_model.config, T)
+peak, peak_from = hardware.peak_flops(device, dtype)  # MFU: model FLOP/s over the peak of all devices
 if master_process:
     print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
     print(f"world_size={world_size} device={device} grad_accum_steps={grad_accum_steps}")
     if why_B:
         print(why_B)
     print(f"parameters: {sum(p.numel() for p in raw_model.parameters()):,}")
-    epochs = max_steps / train_loader.steps_per_epoch
     print(f"train data: {train_loader.n_tokens:,} tokens, {train_loader.steps_per_epoch:,} steps per epoch "
-          f"at {total_batch_size:,} tokens per step; max_steps={max_steps} is {epochs:.2f} epochs")
+          f"at {total_batch_size:,} tokens per step; max_steps={max_steps} is "
+          f"{max_steps / train_loader.steps_per_epoch:.2f} epochs")
+    print(f"mfu: against {peak / 1e12:.4g} TFLOP/s per process ({peak_from}), "
+          f"{flops_per_tok / 1e6:.4g} MFLOP per token" if peak else f"mfu: {peak_from}")
     checkpoint.prepare_log_dir(log_dir, logs, step)  # lines after the checkpoint go
     if wandb_log:
         run_record.wandb_start(config, log_dir)
 run_record.write(log_dir, dict(config, B=B, micro_batch=why_B), step, ckpt_path, device)
-flops_per_tok = flops_per_token(raw_model.config, T)
-peak, peak_from = peak_flops(device, dtype)  # MFU: model FLOPs per second over the peak of all devices
-if master_process:
-    print(f"mfu: against {peak / 1e12:.4g} TFLOP/s per process ({peak_from}), "
-          f"{flops_per_tok / 1e6:.4g} MFLOP per token" if peak else f"mfu: {peak_from}")
 
 
 def save_checkpoint(val_loss):
@@ -280,24 +275,11 @@ def save_checkpoint(val_loss):
         model_state, optimizer_state = raw_model.state_dict(), optimizer.state_dict()
     ckpt = None
     if master_process:
-        ckpt = {'model': model_state, 'optimizer': optimizer_state, 'config': asdict(raw_model.config),
+        ckpt = {'model': model_state, 'optimizer': optimizer_state, 'config': vars(raw_model.config),
                 'train_config': config, 'step': step, 'val_loss': val_loss, 'evaluated': evaluated,
                 'loader': train_loader.state(), 'rng': checkpoint.rng_state(device), 'bad_steps': bad_steps,
                 'scaler': scaler.state_dict(), 'logs': checkpoint.log_sizes(log_dir)}
     checkpoint.save(ckpt, log_dir, keep_checkpoints)
-
-
-def stop_if_asked(val_loss, saved):
-    """SIGTERM or Ctrl-C on any rank (a flag, agreed at a step boundary): every rank stops here, with
-    the checkpoint of this step (unless saved already), one line and exit code 75."""
-    if agree(bool(checkpoint.stop_requested)):
-        if not saved:
-            save_checkpoint(val_loss)
-        if master_process:
-            print(f"{checkpoint.stop_requested or 'SIGTERM'}: stopped at step {step}; wrote "
-                  f"{os.path.join(log_dir, f'model_{step:05d}.pt')}; run the same command again to resume "
-                  f"(exit code {checkpoint.EXIT_PREEMPTED})")
-        sys.exit(checkpoint.EXIT_PREEMPTED)
 
 
 # -----------------------------------------------------------------------------
@@ -309,7 +291,16 @@ waits_short = False  # collectives wait FIRST_STEP_TIMEOUT until every graph the
 evals_built = eval_interval == 0  # the first step's and the first evals' (a resumed run's come later)
 for step in range(start_step, max_steps + 1):
     last_step = step == max_steps
-    stop_if_asked(None, saved=evaluated)  # evaluated here: resumed from this step's checkpoint
+    # SIGTERM or Ctrl-C on any rank sets a flag; the ranks agree on it here, at a step boundary, and all
+    # stop with the checkpoint of this step, one line and exit code 75
+    if agree(bool(checkpoint.stop_requested)):
+        if not evaluated:  # else resumed from this step's checkpoint, which stands
+            save_checkpoint(None)
+        if master_process:
+            print(f"{checkpoint.stop_requested or 'SIGTERM'}: stopped at step {step}; wrote "
+                  f"{os.path.join(log_dir, f'model_{step:05d}.pt')}; run the same command again to resume "
+                  f"(exit code {checkpoint.EXIT_PREEMPTED})")
+        sys.exit(checkpoint.EXIT_PREEMPTED)
     if bad_steps >= max_bad_steps:  # the checkpoint holds the last good update's weights
         save_checkpoint(None)
         raise UserError(f"stopped after {bad_steps} steps in a row with a non-finite loss or gradient norm "
@@ -329,7 +320,7 @@ for step in range(start_step, max_steps + 1):
             with torch.no_grad():
                 sums = torch.zeros(2, device=device)  # the loss summed over all targets, and over text's
                 for x, y, text in zip(val_x, val_y, val_text):
-                    with autocast(device, dtype):
+                    with hardware.autocast(device, dtype):
                         _, losses = eval_model(x, y, reduction='none')  # (B, T), 0 where y is -1
                     sums += torch.stack((losses.sum(), (losses * text).sum())).float()
             if ddp:
@@ -350,7 +341,7 @@ for step in range(start_step, max_steps + 1):
                 print(f"step {step:5d} | hellaswag acc_norm {correct_norm}/{n} = {correct_norm / n:.4f} "
                       f"(acc {correct / n:.4f})")
                 run_record.log(log_dir, f"{step} hella {correct_norm / n:.4f}")
-        enc = get_gpt2_encoding()
+        enc = tokenizer.get_gpt2_encoding()
         if do_sample and master_process and vocab < enc.n_vocab:  # no text to show: say so
             print(f"step {step}: no samples: the model's vocab_size={vocab} is smaller than GPT-2's "
                   f"{enc.n_vocab}: its tokens are not GPT-2's")
@@ -359,7 +350,7 @@ for step in range(start_step, max_steps + 1):
             tokens = torch.tensor([prompt] * 4, dtype=torch.long, device=device)
             rng = torch.Generator(device=device).manual_seed(42 + step)  # a resumed run writes the same ones
             eval_raw.eval()
-            with autocast(device, dtype):
+            with hardware.autocast(device, dtype):
                 out = eval_raw.generate(tokens, sample_length, top_k=50, generator=rng)
             texts = [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]
             run_record.samples(log_dir, [f"step {step} sample {i}: {text!r}" for i, text in enumerate(texts)])
@@ -368,8 +359,6 @@ for step in range(start_step, max_steps + 1):
         evaluated, evals_built = True, evals_built or do_eval
         if do_checkpoint:
             save_checkpoint(val_loss)
-        if not last_step:
-            stop_if_asked(val_loss, saved=do_checkpoint)  # a stop signal during the evals
     if last_step:
         break
 
@@ -397,7 +386,7 @@ for step in range(start_step, max_steps + 1):
         # ... and each sequence's place in the step, whatever the ranks and micro-steps (model.py: GPT.drop)
         place = (micro_step * world_size + rank) * B  # of this micro-batch's first sequence
         keys = torch.arange(place, place + B, device=device) + drop_base if dropout > 0 else None
-        with autocast(device, dtype):
+        with hardware.autocast(device, dtype):
             _, loss = model(x, y, dropout_keys=keys)
         loss = loss / grad_accum_steps  # the gradient of the mean over all micro-batches
         loss_accum += loss.detach()
@@ -417,7 +406,6 @@ for step in range(start_step, max_steps + 1):
     finite = torch.stack((torch.isfinite(loss_accum), torch.isfinite(norm)))
     optimizer.found_inf = (~finite.all()).float()
     optimizer.step()
-    del optimizer.found_inf
     finite_loss, finite_norm = finite.tolist()  # the step's first wait, once its update is queued
     scale = scaler.get_scale() if finite_loss and not finite_norm else 0  # read only then: a GPU waits
     scaler.update()  # float16: halve the scale after an inf/nan gradient, double it after 2000 clean steps
@@ -433,18 +421,17 @@ for step in range(start_step, max_steps + 1):
         waits_short = True
     if step == start_step:
         t_first = time.time()  # the first step compiles: the ETA counts from its end
-        if master_process:  # what this rank holds: whole tensors under DDP, shards under FSDP
-            mib = state_mib(raw_model, optimizer)
+        if master_process and sharded:  # what a rank holds: its shards (DDP: whole tensors on every rank)
+            mib = fsdp.state_mib(raw_model, optimizer)
             print(f"parameters, gradients and optimizer state per rank: {mib:.1f} MiB")
     evaluated = False
     if master_process:
-        left = max_steps - step - 1
-        eta = round(dt * left if step == start_step else (time.time() - t_first) / (step - start_step) * left)
+        step_time = dt if step == start_step else (time.time() - t_first) / (step - start_step)
+        eta = round(step_time * (max_steps - step - 1))  # seconds: the steps left at the mean time so far
+        mfu = f"mfu {total_batch_size / dt * flops_per_tok / (peak * world_size):.1%} | " if peak else ""
         line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm.item():.4f} | "
-                f"dt {dt * 1000:.2f}ms | tok/sec {total_batch_size / dt:.2f} | ")
-        if peak:
-            line += f"mfu {total_batch_size / dt * flops_per_tok / (peak * world_size):.1%} | "
-        line += f"eta {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s"
+                f"dt {dt * 1000:.2f}ms | tok/sec {total_batch_size / dt:.2f} | {mfu}"
+                f"eta {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s")
         run_record.log(log_dir, f"{step} train {loss:.6f}")
         if overflow:
             line += f" | float16 overflow: update skipped, loss scale now {scaler.get_scale():g}"
@@ -453,4 +440,3 @@ for step in range(start_step, max_steps + 1):
             line += f" | non-finite: update skipped ({bad_steps} in a row, max_bad_steps={max_bad_steps})"
             run_record.log(log_dir, f"{step} skip {bad_steps}")
         print(line)
-run_record.wandb_finish()

@@ -12,25 +12,19 @@ other ranks read the file it chose.
 """
 import atexit
 import copy
-import glob
 import os
-import pickle
 import re
 import signal
-import socket
 import sys
 import time
-import warnings
 
 import torch
 
 from gptkit import parallel
 from gptkit.common import UserError, atomic_write
-from model import GPT, GPTConfig
 
 RESUME_KEYS = ('model', 'optimizer', 'config', 'train_config', 'step', 'evaluated', 'loader', 'rng',
                'bad_steps', 'checksum')
-LOGS = ('log.txt', 'samples.txt')  # rank 0's lines in log_dir, cut back to a checkpoint's on resume
 EXIT_PREEMPTED = 75  # SIGTERM or Ctrl-C: checkpoint written, run the same command again (EX_TEMPFAIL)
 
 
@@ -102,30 +96,24 @@ def one_line_errors(micro_batch):
 # reading: the newest checkpoint that loads, checked before anything is built from it
 
 
-def tensors(obj):
-    """Every tensor in obj, through nested dicts, lists and tuples."""
-    return [t for t in torch.utils._pytree.tree_leaves(obj) if torch.is_tensor(t)]
-
-
 def checksum(obj):
-    """The sum of every tensor in obj (nested), its bytes read as integers (int32 words, else bytes).
-    A byte of a checkpoint flipped or zeroed on disk changes it; torch.load checks no CRC, so such a
-    file loads without complaint. Each tensor is summed on its own device, in int64 (which wraps
-    around alike everywhere), and each device is read once: a GPU is waited for once, not per tensor."""
+    """The sum of every tensor in obj (through nested dicts, lists and tuples), its bytes read as
+    integers (int32 words, else bytes). A byte of a checkpoint flipped or zeroed on disk changes it;
+    torch.load checks no CRC, so such a file loads without complaint. Each tensor is summed on its own
+    device, in int64 (which wraps around alike everywhere), and each device is read once: a GPU is
+    waited for once, not per tensor."""
     sums = {}
-    for t in tensors(obj):
-        t = t.detach().contiguous().view(-1)
-        t = t.view(torch.int32 if t.element_size() == 4 else torch.uint8)
-        sums.setdefault(t.device, []).append(t.sum(dtype=torch.int64))
+    for t in filter(torch.is_tensor, torch.utils._pytree.tree_leaves(obj)):
+        words = t.detach().contiguous().view(-1).view(torch.int32 if t.element_size() == 4 else torch.uint8)
+        sums.setdefault(t.device, []).append(words.sum(dtype=torch.int64))
     return sum(sum(torch.stack(s).tolist()) for s in sums.values()) % 2 ** 62
 
 
 def list_checkpoints(log_dir):
     """[(step, path)] of the model_NNNNN.pt files in log_dir, newest first."""
     names = os.listdir(log_dir) if os.path.isdir(log_dir) else []
-    found = [(int(m[1]), os.path.join(log_dir, n)) for n in names
-             if (m := re.fullmatch(r'model_(\d+)\.pt', n))]
-    return sorted(found, reverse=True)
+    return sorted([(int(m[1]), os.path.join(log_dir, n)) for n in names
+                   if (m := re.fullmatch(r'model_(\d+)\.pt', n))], reverse=True)
 
 
 def read_checkpoint(path):
@@ -133,6 +121,10 @@ def read_checkpoint(path):
     it, OSError that it could not be read.
     Tensors stay memory-mapped (read once for the checksum); their shapes are checked against a
     model and an optimizer built on the meta device (no memory) from the checkpoint's own config."""
+    import pickle  # here, not at the top: only a resume needs them (and the model)
+    import warnings
+
+    from model import GPT, GPTConfig
     # Every byte is read first: a read error (I/O, permissions) shows here, and proves nothing about the file.
     with open(path, 'rb') as f:
         while f.read(1 << 24):
@@ -196,24 +188,21 @@ def pick_checkpoint(log_dir):
 
 def find_checkpoint(log_dir, resume):
     """(path, checkpoint) to resume from, the same on every rank, or (None, None) for a fresh run.
-    Rank 0 chooses and validates it (pick_checkpoint); the others follow its verdict and read the same
-    file (log_dir must be on a filesystem they share). resume="never" refuses a log_dir that holds
-    checkpoints."""
-    found = list_checkpoints(log_dir)
-    if resume == 'never' and found:
-        raise UserError(f"{log_dir!r} holds checkpoints of an earlier run ({found[0][1]}) and "
-                        f"resume='never': point log_dir elsewhere, or move them away")
-    rank, step, path, ckpt, error = parallel.rank(), -1, None, None, ''
-    if rank == 0:
-        try:
-            step, path, ckpt = pick_checkpoint(log_dir)
-        except UserError as e:
-            error = str(e)
-    step, error = parallel.gather_objects((step, error))[0]  # rank 0's verdict
-    if error:
-        raise UserError(error)
-    if rank > 0 and step >= 0:
-        path = os.path.join(log_dir, f"model_{step:05d}.pt")
+    Rank 0 lists log_dir, chooses and validates it (pick_checkpoint); the others follow its verdict and
+    read the same file (log_dir must be on a filesystem they share). resume="never" refuses a log_dir
+    that holds checkpoints."""
+    rank, path, ckpt, error = parallel.rank(), None, None, ''
+    if rank == 0 and (found := list_checkpoints(log_dir)):  # (a fresh log_dir: nothing to choose)
+        if resume == 'never':
+            error = (f"{log_dir!r} holds checkpoints of an earlier run ({found[0][1]}) and resume='never': "
+                     f"point log_dir elsewhere, or move them away")
+        else:
+            try:
+                _, path, ckpt = pick_checkpoint(log_dir)
+            except UserError as e:
+                error = str(e)
+    path, error = parallel.gather_objects((path, error))[0]  # rank 0's verdict: its file, or its error
+    if rank > 0 and path is not None:
         try:
             ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
         except Exception as e:  # not there, or unreadable here: this rank's line, then every rank stops
@@ -230,10 +219,9 @@ def rng_state(device):
     same on every rank, as all are seeded and used alike. Python's and numpy's global ones are not
     kept: nothing draws from them (the loader has generators of its own, seeded by the epoch), and
     the bit-identical resume tests would catch a change that did."""
-    state = {'torch': torch.get_rng_state()}
     if torch.device(device).type == 'cuda':
-        state['cuda'] = torch.cuda.get_rng_state(device)
-    return state
+        return {'torch': torch.get_rng_state(), 'cuda': torch.cuda.get_rng_state(device)}
+    return {'torch': torch.get_rng_state()}
 
 
 def set_rng_state(state, device):
@@ -251,28 +239,12 @@ def check_replicas(model, step):
     (not so across GPU models or library versions). One checksum per rank, gathered; a UserError
     names the ranks that differ. (Under FSDP the ranks hold different shards: nothing to compare.)"""
     sums = parallel.gather_objects(checksum(list(model.parameters())))
-    differ = [str(r) for r, s in enumerate(sums) if s != sums[0]]
-    if differ:
+    if differ := [str(r) for r, s in enumerate(sums) if s != sums[0]]:
         ranks = f"rank{'s' * (len(differ) > 1)} {', '.join(differ)}"
         raise UserError(f"step {step}: the weights of {ranks} differ from rank 0's: DDP keeps replicas "
                         f"equal only while every rank computes the same bits (the same GPU model, driver and "
                         f"library versions); no checkpoint of step {step} was written: resume from the last "
                         f"one on matching hardware")
-
-
-def to_host(obj):
-    """A copy of obj with its tensors on the host. From a GPU each copy goes into pinned memory without
-    the host waiting; they are done once the host next reads the device, as its stream runs in order.
-    The same view of the same memory is copied once, so the tied wte/lm_head weight stays one storage
-    under two keys. deepcopy, given the host tensors as its memo, copies the rest as it was: what is
-    shared stays shared, and a state dict keeps its metadata."""
-    copies, memo = {}, {}
-    for t in tensors(obj):
-        key = t.data_ptr(), t.dtype, t.shape, t.stride()
-        if key not in copies:
-            copies[key] = t.to('cpu', non_blocking=True)  # a CPU tensor is returned as it is
-        memo[id(t)] = copies[key].detach()  # a tensor of its own, as torch.save would see t
-    return copy.deepcopy(obj, memo)
 
 
 def save(ckpt, log_dir, keep_checkpoints):
@@ -282,10 +254,20 @@ def save(ckpt, log_dir, keep_checkpoints):
     untouched."""
     error = None
     if ckpt is not None:
-        # The tensors all start for the host at once, where torch.save would wait for each in turn. The
-        # checksum is summed on the device after those copies, so its one read waits for them too.
-        host = to_host(ckpt)
-        host['checksum'] = checksum(ckpt)
+        # A copy of ckpt with its tensors on the host. They all start for the host at once, where
+        # torch.save would wait for each in turn: from a GPU each copy goes into pinned memory without the
+        # host waiting; they are done once the host next reads the device, as its stream runs in order.
+        # The same view of the same memory is copied once, so the tied wte/lm_head weight stays one
+        # storage under two keys. deepcopy, given the host tensors as its memo, copies the rest as it
+        # was: what is shared stays shared, and a state dict keeps its metadata.
+        copies, memo = {}, {}
+        for t in filter(torch.is_tensor, torch.utils._pytree.tree_leaves(ckpt)):
+            key = t.data_ptr(), t.dtype, t.shape, t.stride()
+            if key not in copies:
+                copies[key] = t.to('cpu', non_blocking=True)  # a CPU tensor is returned as it is
+            memo[id(t)] = copies[key].detach()  # a tensor of its own, as torch.save would see t
+        # The checksum is summed on the device after those copies, so its one read waits for them too.
+        host = dict(copy.deepcopy(ckpt, memo), checksum=checksum(ckpt))
         path = os.path.join(log_dir, f"model_{ckpt['step']:05d}.pt")
         for name in ckpt.get('logs', ()):  # the lines the checkpoint vouches for reach the disk first
             with open(os.path.join(log_dir, name), 'a') as f:
@@ -299,8 +281,7 @@ def save(ckpt, log_dir, keep_checkpoints):
                      f"checkpoints are untouched: fix that (free some space, say) and run the same command "
                      f"again to resume")
         else:
-            older = list_checkpoints(log_dir)[keep_checkpoints:] if keep_checkpoints > 0 else []
-            for _, old in older:
+            for _, old in list_checkpoints(log_dir)[keep_checkpoints:] if keep_checkpoints > 0 else []:
                 os.remove(old)  # only now that a newer one is complete
     parallel.wait_for_all()  # however long rank 0 took to write: the next collective is bounded again
     if parallel.agree(error is not None):
@@ -312,6 +293,7 @@ def save(ckpt, log_dir, keep_checkpoints):
 
 def resumed_model_config(ckpt, path, config):
     """The checkpoint's model shape, once the config is known not to change it."""
+    from model import GPTConfig
     old = dict({'optimizer': 'adamw'}, **ckpt['train_config'])  # written before Muon: AdamW
     for key in ('init_from', 'optimizer'):  # another source of weights, or another optimizer's state
         if old.get(key) != config[key]:
@@ -331,9 +313,10 @@ def resumed_model_config(ckpt, path, config):
 
 
 def log_sizes(log_dir):
-    """Rank 0: {name: bytes} of the LOGS in log_dir as they are now, for a checkpoint (prepare_log_dir)."""
-    paths = {name: os.path.join(log_dir, name) for name in LOGS}
-    return {name: os.path.getsize(path) for name, path in paths.items() if os.path.exists(path)}
+    """Rank 0: {name: bytes} of log.txt and samples.txt in log_dir (those that exist) as they are now,
+    for a checkpoint: rank 0's lines, cut back to a checkpoint's on resume (prepare_log_dir)."""
+    return {name: os.path.getsize(path) for name in ('log.txt', 'samples.txt')
+            if os.path.exists(path := os.path.join(log_dir, name))}
 
 
 def prepare_log_dir(log_dir, logs, start):
@@ -341,27 +324,25 @@ def prepare_log_dir(log_dir, logs, start):
     log.txt and samples.txt back to the bytes they held when the checkpoint was written (logs: {name:
     bytes}, log_sizes then; {} for a fresh run): the lines a crashed run wrote after its checkpoint
     go, whatever they hold, and the resumed run writes them again. A checkpoint older than the sizes
-    (logs None) keeps the lines of the steps before its own, start. Each file is rewritten atomically."""
-    os.makedirs(log_dir, exist_ok=True)
-    for tmp in glob.glob(os.path.join(glob.escape(log_dir), 'model_*.pt.tmp*')):
-        os.remove(tmp)
-    for name in LOGS:
+    (logs None) keeps the lines of the steps before its own, start. Each file is rewritten atomically.
+    log_dir exists: claim_log_dir made it."""
+    for tmp in [name for name in os.listdir(log_dir) if re.fullmatch(r'model_.*\.pt\.tmp.*', name)]:
+        os.remove(os.path.join(log_dir, tmp))
+    for name in log_sizes(log_dir):  # the logs that exist
         path = os.path.join(log_dir, name)
-        if os.path.exists(path):
-            with open(path, 'rb') as f:
-                text = f.read()
-            if logs is not None:
-                kept = text[:logs.get(name, 0)]
-            else:  # each line starts with its step ('12 val ...', 'step 12 sample ...')
-                kept = b''.join(line for line in text.splitlines(keepends=True) if line.endswith(b'\n')
-                                and (m := re.match(rb'\D*(\d+)', line)) and int(m[1]) < start)
-            atomic_write(path, lambda f: f.write(kept))
+        with open(path, 'rb') as f:
+            text = f.read()
+        if logs is not None:
+            kept = text[:logs.get(name, 0)]
+        else:  # each line starts with its step ('12 val ...', 'step 12 sample ...')
+            kept = b''.join(line for line in text.splitlines(keepends=True) if line.endswith(b'\n')
+                            and (m := re.match(rb'\D*(\d+)', line)) and int(m[1]) < start)
+        atomic_write(path, lambda f: f.write(kept))
 
 # -----------------------------------------------------------------------------
 # one run per log_dir: rank 0 holds a POSIX record lock on log_dir/run.lock while the run lasts
 
-_lock_file = None  # rank 0's open and locked run.lock
-_made = []  # the folders that taking the lock made, deepest first: log_dir, and the parents it needed
+_lock = None  # rank 0's (open and locked run.lock, the folders that taking it made, deepest first)
 
 
 def claim_log_dir(log_dir):
@@ -379,21 +360,22 @@ def lock_log_dir(log_dir):
     (fcntl.lockf): the kernel drops it when its process ends, however it ends (kill -9 too), so a dead
     run never blocks the next start; a forked child does not inherit it. On NFS the server's lock
     manager holds it for every node; Lustre needs mounting with -o flock (docs/resume.md)."""
-    global _lock_file, _made
+    global _lock
+    path, folder, made = os.path.join(log_dir, 'run.lock'), os.path.abspath(log_dir), []
+    while not os.path.exists(folder):  # the folders makedirs makes: log_dir, and parents it needs
+        made, folder = made + [folder], os.path.dirname(folder)
+    os.makedirs(log_dir, exist_ok=True)  # on every system: the run writes there
     if os.name != 'posix':
         return ''
     import fcntl
-    if _lock_file is not None:  # an earlier run in this process (tests); closing drops its lock
-        _lock_file.close()  # (and in a forked child, whose parent holds the lock, closing alone is right)
-        _lock_file = None
-    path, folder, _made = os.path.join(log_dir, 'run.lock'), os.path.abspath(log_dir), []
-    while not os.path.exists(folder):  # the folders makedirs makes: log_dir, and parents it needs
-        _made, folder = _made + [folder], os.path.dirname(folder)
+    if _lock is not None:  # an earlier run in this process (tests); closing its file drops its lock
+        _lock[0].close()  # (and in a forked child, whose parent holds the lock, closing alone is right)
+        _lock = None
     while True:
-        os.makedirs(log_dir, exist_ok=True)
         try:
             f = open(path, 'a+')  # created, or opened without a change: the holder's line stays for others
         except FileNotFoundError:  # a start that failed removed the empty log_dir it had made, just now
+            os.makedirs(log_dir, exist_ok=True)
             continue
         try:
             fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -416,9 +398,9 @@ def lock_log_dir(log_dir):
             return ''
         f.close()
     f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
-    _lock_file = f
+    print(f"pid {os.getpid()} on {os.uname().nodename} since {time.strftime('%Y-%m-%d %H:%M:%S')}", file=f,
+          flush=True)
+    _lock = f, made
     return ''
 
 
@@ -428,14 +410,15 @@ def release_log_dir():
     stays, unlocked, and the next start takes it over). It also removes the folders that taking the
     lock made if nothing was written in them (a start that failed), so that a corrected command starts
     clean and `ls` shows no empty run."""
-    global _lock_file
-    if _lock_file is None:
+    global _lock
+    if _lock is None:
         return
+    f, made = _lock
     try:
-        os.remove(_lock_file.name)  # while it is still locked (lock_log_dir says why)
-        for folder in _made:  # log_dir, then the parents it needed
+        os.remove(f.name)  # while it is still locked (lock_log_dir says why)
+        for folder in made:  # log_dir, then the parents it needed
             os.rmdir(folder)  # fails unless empty: a folder that holds anything stays, and so do its parents
     except OSError:
         pass
-    _lock_file.close()
-    _lock_file = None
+    f.close()
+    _lock = None

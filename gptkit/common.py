@@ -23,12 +23,13 @@ def atomic_write(path, write):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        if os.name == 'posix':  # the rename itself survives a crash (a folder cannot be opened on Windows)
-            dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-    finally:
+    except BaseException:  # any failure, Ctrl-C included: the temporary file goes, the error stays
         if os.path.exists(tmp):
             os.remove(tmp)
+        raise
+    if os.name == 'posix':  # the rename itself survives a crash (a folder cannot be opened on Windows)
+        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

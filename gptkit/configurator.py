@@ -8,28 +8,16 @@ A config file is Python that assigns some of the constants (it may read the othe
 max_steps = 2 * warmup_steps), and it runs as code: use only files you trust. --key=value takes
 a Python literal, or the text as typed for a string constant. Both are applied in the order
 given, and each value must keep its default's type (an int is fine for a float; an "auto"
-default also takes True/False, and B "auto": AUTO_OR). An unknown key is an error that names
-the closest valid ones.
+default also takes True/False, and B a number or "auto", whatever its default). An unknown key
+is an error that names the closest valid ones.
 """
 import ast
-import difflib
-import importlib.util
 import os
-import runpy
-import sys
-import types
 
 from gptkit.common import UserError
 from gptkit.hardware import PRECISIONS, device_type
 
-# nanoGPT's and build-nanogpt's names for this trainer's constants
-NANOGPT_NAMES = {'learning_rate': 'max_lr', 'max_iters': 'max_steps', 'lr_decay_iters': 'max_steps',
-                 'warmup_iters': 'warmup_steps', 'batch_size': 'B', 'out_dir': 'log_dir',
-                 'dataset': 'data_root', 'gradient_accumulation_steps': 'total_batch_size',
-                 'eval_iters': 'val_tokens', 'sample_every': 'sample_interval', 'eval_every': 'eval_interval'}
-
 TRAINER = os.path.join(os.path.dirname(__file__), '..', 'train_gpt2.py')  # its constants: what --help shows
-AUTO_OR = ('B',)  # a number or "auto" (--B=16, --B=auto), whatever the default
 
 
 def parse_config(argv, defaults, doc=""):
@@ -37,24 +25,14 @@ def parse_config(argv, defaults, doc=""):
     --help prints doc and the constants with their defaults, and exits."""
     if '-h' in argv or '--help' in argv:
         print(doc + "\n" + constants_help(defaults))
-        sys.exit(0)
+        raise SystemExit(0)
     config = dict(defaults)
 
-    def fits(key, value):  # the default's type; an "auto" default also takes a bool
-        default = defaults[key]
-        return type(value) is type(default) or default == 'auto' and type(value) is bool
-
-    def set_key(key, value, source):
-        if key not in config:  # for a name of nanoGPT's, ours first: what its users type
-            close = difflib.get_close_matches(NANOGPT_NAMES.get(key, key), list(config), n=3, cutoff=0.0)
-            raise UserError(f"unknown config key {key!r} in {source}; closest valid names: "
-                            f"{', '.join(close)}")
-        if isinstance(defaults[key], float) and type(value) is int:
-            value = float(value)  # --max_lr=1 means 1.0
-        if key not in AUTO_OR and not fits(key, value):  # B: check_config's line says what it takes
-            raise UserError(f"config key {key!r} in {source} must be {type(defaults[key]).__name__} "
-                            f"like its default {defaults[key]!r}, got {type(value).__name__} {value!r}")
-        config[key] = value
+    # the default's type (an int for a float); an "auto" default also takes a bool; B takes whatever is
+    # given (a number, or "auto", whatever its default): check_config's line says what it must be
+    def fits(key, value):
+        return (type(value) is type(defaults[key]) or type(defaults[key]) is float and type(value) is int
+                or defaults[key] == 'auto' and type(value) is bool or key == 'B')
 
     for arg in argv:
         if arg.startswith('--'):
@@ -65,22 +43,41 @@ def parse_config(argv, defaults, doc=""):
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
                 value = text  # a bare word is a string: --init_from=gpt2
-            if isinstance(defaults.get(key), str) and not fits(key, value):
-                value = text  # a string key takes the text as typed: --data_root=123
-            set_key(key, value, arg)
-            continue
-        if not os.path.isfile(arg):
+            # a string key takes the text as typed (--data_root=123) unless the literal fits it
+            assigned = {key: text if isinstance(defaults.get(key), str) and not fits(key, value) else value}
+        elif not os.path.isfile(arg):
             raise UserError(f"config file {arg!r} not found (expected a Python file of constants, "
                             f"e.g. config/NAME.py)")
-        # run as python runs a script (its errors name the file), the constants in sight: a file may
-        # use them (max_steps = 2 * warmup_steps)
-        try:
-            namespace = runpy.run_path(arg, init_globals=config)
-        except Exception as e:
-            raise UserError(f"config file {arg!r} failed: {type(e).__name__}: {e}") from None
-        for key, value in namespace.items():  # what it assigns; not its imports, functions or _private names
-            if not key.startswith('_') and not callable(value) and not isinstance(value, types.ModuleType):
-                set_key(key, value, arg)
+        else:
+            import runpy  # only a config file needs these two
+            import types
+            # run as python runs a script (its errors name the file), the constants in sight: a file may
+            # use them (max_steps = 2 * warmup_steps)
+            try:
+                namespace = runpy.run_path(arg, init_globals=config)
+            except Exception as e:
+                raise UserError(f"config file {arg!r} failed: {type(e).__name__}: {e}") from None
+            # what it assigns; not its imports, functions or _private names
+            assigned = {key: value for key, value in namespace.items() if not key.startswith('_')
+                        and not callable(value) and not isinstance(value, types.ModuleType)}
+        for key, value in assigned.items():
+            if key not in config:
+                import difflib
+                # nanoGPT's and build-nanogpt's names for this trainer's constants: for one of them, ours
+                # comes first, as that is what its users type
+                nanogpt_names = {'learning_rate': 'max_lr', 'max_iters': 'max_steps',
+                                 'lr_decay_iters': 'max_steps', 'warmup_iters': 'warmup_steps',
+                                 'batch_size': 'B', 'out_dir': 'log_dir', 'dataset': 'data_root',
+                                 'gradient_accumulation_steps': 'total_batch_size',
+                                 'eval_iters': 'val_tokens', 'sample_every': 'sample_interval',
+                                 'eval_every': 'eval_interval'}
+                close = difflib.get_close_matches(nanogpt_names.get(key, key), list(config), n=3, cutoff=0.0)
+                raise UserError(f"unknown config key {key!r} in {arg}; closest valid names: "
+                                f"{', '.join(close)}")
+            if not fits(key, value):
+                raise UserError(f"config key {key!r} in {arg} must be {type(defaults[key]).__name__} "
+                                f"like its default {defaults[key]!r}, got {type(value).__name__} {value!r}")
+            config[key] = float(value) if type(defaults[key]) is float else value  # --max_lr=1 means 1.0
     check_config(config)
     return config
 
@@ -143,16 +140,17 @@ def check_config(c):
     before anything starts, on every rank."""
     if c['B'] != 'auto' and type(c['B']) is not int:  # first: the checks below compare it with 0
         raise UserError(f"config key 'B' must be 'auto' or a number of sequences, got {c['B']!r}")
-    ranges = [(key, 'positive', c[key] == 'auto' or c[key] > 0) for key in (
-        'n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size', 'total_batch_size', 'B', 'T',
-        'collective_timeout', 'muon_lr', 'max_bad_steps')]
-    ranges += [(key, '>= 0', c[key] >= 0) for key in (
-        'max_steps', 'warmup_steps', 'eval_interval', 'val_tokens', 'sample_interval', 'sample_length',
-        'checkpoint_interval', 'keep_checkpoints')]
-    ranges += [('decay_frac', 'in (0, 1]', 0 < c['decay_frac'] <= 1),
-               ('muon_momentum', 'in [0, 1)', 0 <= c['muon_momentum'] < 1)]
-    ranges += [(key, f"{', '.join(map(repr, allowed[:-1]))} or {allowed[-1]!r}", c[key] in allowed)
-               for key, allowed in CHOICES.items()]
+    # (key, what it must be, whether it is), in the order they are checked
+    ranges = ([(key, 'positive', c[key] == 'auto' or c[key] > 0) for key in (
+                  'n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size', 'total_batch_size', 'B', 'T',
+                  'collective_timeout', 'muon_lr', 'max_bad_steps')]
+              + [(key, '>= 0', c[key] >= 0) for key in (
+                  'max_steps', 'warmup_steps', 'eval_interval', 'val_tokens', 'sample_interval',
+                  'sample_length', 'checkpoint_interval', 'keep_checkpoints')]
+              + [('decay_frac', 'in (0, 1]', 0 < c['decay_frac'] <= 1),
+                 ('muon_momentum', 'in [0, 1)', 0 <= c['muon_momentum'] < 1)]
+              + [(key, f"{', '.join(map(repr, allowed[:-1]))} or {allowed[-1]!r}", c[key] in allowed)
+                 for key, allowed in CHOICES.items()])
     for key, allowed, ok in ranges:
         if not ok:
             raise UserError(f"config key {key!r} must be {allowed}, got {c[key]!r}")
@@ -167,7 +165,9 @@ def check_config(c):
         raise UserError("optimizer='muon' orthogonalizes whole weight matrices, and parallel='fsdp' gives "
                         "each rank shards of them: use parallel='ddp' with Muon, or optimizer='adamw' with "
                         "FSDP")
-    if c.get('wandb_log') and importlib.util.find_spec('wandb') is None:  # every rank stops, not rank 0 alone
-        raise UserError("wandb_log=True needs the wandb package: pip install -r requirements-wandb.txt")
+    if c.get('wandb_log'):  # every rank stops without it, not rank 0 alone
+        import importlib.util  # wandb's runs alone look for it
+        if importlib.util.find_spec('wandb') is None:
+            raise UserError("wandb_log=True needs the wandb package: pip install -r requirements-wandb.txt")
     if c['device'] != 'auto':
         device_type(c['device'])  # a malformed name: one line now (whether it is here: hardware.pick_device)

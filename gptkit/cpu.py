@@ -6,7 +6,6 @@ the tools call each in one line that says it is for the CPU.
 import ctypes
 import os
 import sys
-import tempfile
 
 import torch
 from torch.nn import functional as F
@@ -16,6 +15,7 @@ from torch.nn import functional as F
 # kernels cached by one gave NaNs from step 0, or a corrupted heap, in the other. Such a process
 # gets a cache of its own (read by inductor when it compiles, after the trainer imports this).
 if os.environ.get('ATEN_CPU_CAPABILITY') and 'TORCHINDUCTOR_CACHE_DIR' not in os.environ:
+    import tempfile
     os.environ['TORCHINDUCTOR_CACHE_DIR'] = os.path.join(tempfile.gettempdir(), (
         f"torchinductor_{getattr(os, 'getuid', int)()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 
@@ -25,13 +25,11 @@ def reuse_freed_memory():
     when it is freed, and the next step page-faults gigabytes of zeroed pages back in: on a CPU
     that system time can be half the step. Serve large blocks from the heap and never trim it
     instead: faster steps for more peak memory (docs/benchmarks.md)."""
-    if not sys.platform.startswith('linux'):
-        return
-    mallopt = getattr(ctypes.CDLL(None), 'mallopt', None)  # glibc; absent on musl
+    # glibc's (absent on musl; and not on Windows or macOS)
+    mallopt = getattr(ctypes.CDLL(None), 'mallopt', None) if sys.platform.startswith('linux') else None
     if mallopt is not None:
-        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-        mallopt(M_MMAP_MAX, 0)
-        mallopt(M_TRIM_THRESHOLD, -1)  # -1 is SIZE_MAX to glibc: never trim
+        mallopt(-4, 0)  # M_MMAP_MAX = 0: large blocks come from the heap too, never from mmap
+        mallopt(-1, -1)  # M_TRIM_THRESHOLD = -1, SIZE_MAX to glibc: the heap is never trimmed
 
 
 # -----------------------------------------------------------------------------
@@ -39,20 +37,15 @@ def reuse_freed_memory():
 
 def fuse_loss(model):
     """On a CPU: the model's training loss (grad on, the mean loss, not compiled) goes through
-    linear_cross_entropy, the output layer and the loss in one pass; every other call is GPT.forward's
+    LinearCrossEntropy, the output layer and the loss in one pass; every other call is GPT.forward's
     own. The instance's forward, set here, comes before the class's: model.py stays as a reader expects
     it, and a GPU never runs this. Compiled, inductor fuses F.cross_entropy by itself."""
     def forward(idx, targets=None, dropout_keys=None, **kw):
         if targets is None or kw or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return type(model).forward(model, idx, targets, dropout_keys=dropout_keys, **kw)
-        h = model.hidden_states(idx, dropout_keys=dropout_keys)
-        return None, linear_cross_entropy(h, model.lm_head.weight, targets)
+        h = model.hidden_states(idx, dropout_keys=dropout_keys).flatten(0, 1)  # (B * T, C)
+        return None, LinearCrossEntropy.apply(h, model.lm_head.weight, targets.reshape(-1))
     model.forward = forward
-
-
-def linear_cross_entropy(h, weight, targets):
-    """The mean cross-entropy of h @ weight.T against targets; h (B, T, C), targets (B, T)."""
-    return LinearCrossEntropy.apply(h.view(-1, h.size(-1)), weight, targets.reshape(-1))
 
 
 class LinearCrossEntropy(torch.autograd.Function):

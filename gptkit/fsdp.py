@@ -71,3 +71,13 @@ def load_full_state(model, optimizer, model_state, opt_state):
     groups = [dict(g, params=[names[i] for i in g['params']]) for g in opt_state['param_groups']]
     state = {names[i]: s for i, s in opt_state['state'].items()}
     set_optimizer_state_dict(model, optimizer, {'state': state, 'param_groups': groups}, options=options)
+
+
+def state_mib(model, optimizer):
+    """MiB of parameters, gradients and optimizer state that this rank holds: its shards (under DDP
+    every rank holds them whole)."""
+    # each parameter, its gradient and its optimizer state (the optimizer's state is keyed by parameter)
+    tensors = [t for p in model.parameters() for t in (p, p.grad, *optimizer.state.get(p, {}).values())
+               if torch.is_tensor(t)]
+    return sum((t.to_local() if hasattr(t, 'to_local') else t).nbytes  # a DTensor: its shard
+               for t in tensors) / 2 ** 20

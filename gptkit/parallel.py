@@ -11,7 +11,6 @@ minutes. Where rank 0 works alone once training has begun (writing a checkpoint,
 run), the others wait for it in wait_for_all, through the process group's store, up to
 WAIT_FOR_ALL_TIMEOUT, however short collective_timeout is.
 """
-import gc
 import os
 from datetime import timedelta
 
@@ -40,13 +39,13 @@ def restart_store():
     restarted group would read the dead group's keys (its ranks' addresses: a refused connect, or a
     hang; seen 4 times in 10 without it)."""
     env = os.environ
-    if env.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
-        return None
-    if int(env.get('GROUP_WORLD_SIZE', 1)) == 1:  # one node's agent counts the attempts, so they key it
-        store = dist.TCPStore(env['MASTER_ADDR'], int(env['MASTER_PORT']), int(env['WORLD_SIZE']),
-                              is_master=False, timeout=timedelta(minutes=10))
-        return dist.PrefixStore(f"train_gpt2/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
-    if int(env['RANK']) == 0 and int(env.get('TORCHELASTIC_MAX_RESTARTS', 0)) > 0:  # nodes count apart
+    if env.get('TORCHELASTIC_USE_AGENT_STORE') == 'True' and int(env.get('GROUP_WORLD_SIZE', 1)) == 1:
+        # one node's agent counts the attempts, so they key it: its store, seen through this attempt's prefix
+        return dist.PrefixStore(f"train_gpt2/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", dist.TCPStore(
+            env['MASTER_ADDR'], int(env['MASTER_PORT']), int(env['WORLD_SIZE']), is_master=False,
+            timeout=timedelta(minutes=10)))
+    if (env.get('TORCHELASTIC_USE_AGENT_STORE') == 'True' and int(env['RANK']) == 0
+            and int(env.get('TORCHELASTIC_MAX_RESTARTS', 0)) > 0):  # several nodes count their attempts apart
         print("warning: restarts on several nodes: a restarted worker group can read the dead group's keys "
               "in torchrun's shared store; launch torchrun with --rdzv-backend=c10d and "
               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so that each group meets in a new store "
@@ -59,16 +58,17 @@ def set_rank_environment(log_dir):
     recorder: the last collectives of each rank, dumped into log_dir/nccl_trace_rank_N when one times
     out (docs/ddp.md, 10, reads them; gloo ignores them). Inductor's compile workers: the CPUs this
     process may use, shared among the ranks of its node (inductor starts up to 32 for each rank)."""
-    env = os.environ
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-    defaults = {'TORCH_NCCL_DUMP_ON_TIMEOUT': '1',
-                'TORCHINDUCTOR_COMPILE_THREADS': str(max(1, cpus // int(env.get('LOCAL_WORLD_SIZE', 1))))}
-    if 'TORCH_NCCL_TRACE_BUFFER_SIZE' not in env:  # the buffer's older name (torch warns that it is)
-        defaults['TORCH_FR_BUFFER_SIZE'] = '2000'
-    if 'TORCH_NCCL_DEBUG_INFO_TEMP_FILE' not in env:  # the older name of the dump's path, read second
-        defaults['TORCH_FR_DUMP_TEMP_FILE'] = os.path.join(os.path.abspath(log_dir), 'nccl_trace_rank_')
-    for key, value in defaults.items():
-        env.setdefault(key, value)
+    # each value keyed by the names the user may have set it under, the one set here first: torch still
+    # reads the older names of the buffer (warning that they are) and of the dump's path (second)
+    defaults = {('TORCH_NCCL_DUMP_ON_TIMEOUT',): '1',
+                ('TORCH_FR_BUFFER_SIZE', 'TORCH_NCCL_TRACE_BUFFER_SIZE'): '2000',
+                ('TORCH_FR_DUMP_TEMP_FILE', 'TORCH_NCCL_DEBUG_INFO_TEMP_FILE'):
+                    os.path.join(os.path.abspath(log_dir), 'nccl_trace_rank_'),
+                ('TORCHINDUCTOR_COMPILE_THREADS',):
+                    str(max(1, cpus // int(os.environ.get('LOCAL_WORLD_SIZE', 1))))}
+    os.environ.update({names[0]: value for names, value in defaults.items()
+                       if not any(name in os.environ for name in names)})
 
 
 def first_step_timeout(collective_timeout):
@@ -93,15 +93,16 @@ def set_collective_timeout(collective_timeout):
 def wait_for_all():
     """A barrier after rank 0 has worked alone (a checkpoint write, the end of the run), for up to
     WAIT_FOR_ALL_TIMEOUT, however short collective_timeout is. It meets in the process group's store
-    (restart_store: a torchrun attempt's own keys)."""
+    (restart_store: a torchrun attempt's own keys): each rank sets a key of its own for this call,
+    then waits until every rank's is there."""
     global _waits
     if world_size() == 1:
         return
     _waits += 1
-    key, store = f'wait_for_all/{_waits}', dist.distributed_c10d._get_default_store()
-    if store.add(key, 1) == world_size():  # the last rank to come lets them all go
-        store.set(f'{key}/all', '')
-    store.wait([f'{key}/all'], timedelta(seconds=WAIT_FOR_ALL_TIMEOUT))
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f'wait_for_all/{_waits}/{rank()}', '')
+    store.wait([f'wait_for_all/{_waits}/{r}' for r in range(world_size())],
+               timedelta(seconds=WAIT_FOR_ALL_TIMEOUT))
 
 
 def agree(value, op='max'):
@@ -130,14 +131,6 @@ def gather_objects(obj):
     return out
 
 
-def state_mib(model, optimizer):
-    """MiB of parameters, gradients and optimizer state that this rank holds (its shards under
-    FSDP; whole tensors under DDP or one process)."""
-    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
-    tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    tensors = [t.to_local() if hasattr(t, 'to_local') else t for t in tensors]  # FSDP's DTensors: the shard
-    return sum(t.numel() * t.element_size() for t in tensors) / 2 ** 20
-
 def end_process_group(finished):
     """Leave the process group (at exit). finished: the run got to its end (or stopped on a signal),
     so every rank waits for the others first: none tears down while rank 0 still writes."""
@@ -147,5 +140,6 @@ def end_process_group(finished):
         if finished:
             wait_for_all()
     finally:
+        import gc
         gc.collect()  # FSDP's sharded tensors hold gloo work: free them while Python is whole
         dist.destroy_process_group()

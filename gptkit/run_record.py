@@ -9,67 +9,55 @@ import datetime
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 
 import torch
 
-from gptkit import parallel
+from gptkit import parallel, shards
 from gptkit.common import UserError, atomic_write
-from gptkit.shards import dataset_of
-
-CODE_DIR = os.path.join(os.path.dirname(__file__), '..')
-
-
-def git_state():
-    """(commit, modified) of the code's checkout; (None, None) outside git. `git describe` with no tag
-    to name is the commit's hash, with '-dirty' after it when a tracked file differs from it."""
-    try:
-        r = subprocess.run(['git', '--no-optional-locks', '-C', CODE_DIR, 'describe', '--always', '--dirty',
-                            '--abbrev=40', '--exclude=*'], capture_output=True, text=True, timeout=10,
-                           check=True)
-    except (OSError, subprocess.SubprocessError):  # no git installed, not a checkout, or a timeout
-        return None, None
-    commit, _, dirty = r.stdout.strip().partition('-')
-    return commit, bool(dirty)
 
 
 def device_name(device):
-    if device.startswith('cuda'):
-        return torch.cuda.get_device_name(device)
-    if device == 'cpu':
-        caps = getattr(torch.cpu, 'get_capabilities', lambda: {})()
-        return caps.get('cpu_name') or platform.processor() or platform.machine()
-    return device
+    if device == 'cpu':  # torch's name for the processor, else the platform's
+        return (getattr(torch.cpu, 'get_capabilities', dict)().get('cpu_name') or platform.processor()
+                or platform.machine())
+    return torch.cuda.get_device_name(device) if device.startswith('cuda') else device
 
 
 def write(log_dir, config, start, resumed_from, device):
     """Append this start's entry to log_dir/run.json (rank 0 writes; every rank must call it:
     the hosts and devices are gathered from all)."""
-    hosts, devices = zip(*parallel.gather_objects((socket.gethostname(), f"{device}: {device_name(device)}")))
-    if parallel.rank() != 0:
-        return
-    commit, modified = git_state()
-    entry = {
-        'started': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-        'start_step': start, 'resumed_from': resumed_from, 'command': sys.argv,
-        'git_commit': commit, 'git_modified': modified,
-        'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,
-        'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if device.startswith('cuda') else None,
-        'world_size': len(devices), 'hosts': sorted(set(hosts)), 'devices': devices,
-        'wandb_run_id': _wandb_run and _wandb_run.id,
-        'dataset': dataset_of(config['data_root']), 'config': config,
-    }
-    path = os.path.join(log_dir, 'run.json')
-    try:
-        with open(path) as f:
-            entries = json.load(f)
-    except FileNotFoundError:  # the first start
-        entries = []
-    except ValueError as e:  # never half-written (atomic): edited by hand
-        raise UserError(f"{path} is not JSON ({e}): fix it, or move it away") from None
-    atomic_write(path, lambda f: f.write(json.dumps(entries + [entry], indent=1).encode()))
+    hosts, devices = zip(*parallel.gather_objects((platform.node(), f"{device}: {device_name(device)}")))
+    if parallel.rank() == 0:  # it writes
+        # the code's checkout: `git describe` with no tag to name is the commit's hash, with '-dirty' after
+        # it when a tracked file differs from it
+        try:
+            commit, _, dirty = subprocess.run(
+                ['git', '--no-optional-locks', '-C', os.path.join(os.path.dirname(__file__), '..'),
+                 'describe', '--always', '--dirty', '--abbrev=40', '--exclude=*'],
+                capture_output=True, text=True, timeout=10, check=True).stdout.strip().partition('-')
+        except (OSError, subprocess.SubprocessError):  # no git installed, not a checkout, or a timeout
+            commit = dirty = None
+        entry = {
+            'started': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+            'start_step': start, 'resumed_from': resumed_from, 'command': sys.argv,
+            'git_commit': commit, 'git_modified': None if commit is None else bool(dirty),
+            'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,
+            'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if device.startswith('cuda') else None,
+            'world_size': len(devices), 'hosts': sorted(set(hosts)), 'devices': devices,
+            'wandb_run_id': _wandb_run and _wandb_run.id,
+            'dataset': shards.dataset_of(config['data_root']), 'config': config,
+        }
+        path = os.path.join(log_dir, 'run.json')
+        entries = []  # the first start's
+        if os.path.exists(path):
+            with open(path) as f:
+                try:
+                    entries = json.load(f)
+                except ValueError as e:  # never half-written (atomic): edited by hand
+                    raise UserError(f"{path} is not JSON ({e}): fix it, or move it away") from None
+        atomic_write(path, lambda f: f.write(json.dumps(entries + [entry], indent=1).encode()))
 
 
 _wandb_run = None
@@ -88,12 +76,6 @@ def wandb_start(config, log_dir):
                         f"logs without a login or network, for `wandb sync` later") from None
 
 
-def wandb_finish():
-    """Upload (or, offline, write out) what is left; at the end of the run."""
-    if _wandb_run is not None:
-        _wandb_run.finish()
-
-
 def log(log_dir, line):
     """Rank 0: one line of log_dir/log.txt ("{step} train|val|bpb|hella|skip|overflow|epoch {value}"),
     and its number to W&B, at its step, under its kind."""
@@ -106,7 +88,6 @@ def log(log_dir, line):
 
 def samples(log_dir, lines):
     """Rank 0: the trainer's samples, printed and appended to log_dir/samples.txt."""
-    if lines:
-        print("\n".join(lines))
-        with open(os.path.join(log_dir, 'samples.txt'), 'a') as f:
-            f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    with open(os.path.join(log_dir, 'samples.txt'), 'a') as f:
+        f.write("\n".join(lines) + "\n")

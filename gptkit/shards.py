@@ -5,7 +5,6 @@ memory-mapped and checked, the val tokens, a shard's documents in a shuffled ord
 split as one stream with its position (DataLoaderLite), which train_gpt2.py reads.
 """
 import glob
-import json
 import os
 
 import numpy as np
@@ -23,6 +22,7 @@ def read_manifest(data_root):
     path = os.path.join(data_root, MANIFEST)
     if not os.path.isfile(path):
         return None
+    import json  # only where there is a manifest
     try:
         with open(path) as f:
             manifest = json.load(f)
@@ -33,44 +33,22 @@ def read_manifest(data_root):
 
 
 def find_shards(data_root, split):
-    if not os.path.isdir(data_root):
-        raise UserError(f"data folder {data_root!r} not found: run `python fineweb.py` to make the token "
-                        f"shards, or point data_root at them")
-    manifest = read_manifest(data_root)
+    manifest = read_manifest(data_root)  # None in a folder that is not there
     if manifest is not None and not manifest['complete']:
         raise UserError(f"{data_root!r} is unfinished: fineweb.py was interrupted or failed there; "
                         f"run the same fineweb.py command again to finish it")
     shards = sorted(glob.glob(os.path.join(data_root, f'*_{split}_*.npy')))
     if shards:
         return shards
+    if not os.path.isdir(data_root):
+        raise UserError(f"data folder {data_root!r} not found: run `python fineweb.py` to make the token "
+                        f"shards, or point data_root at them")
     if split == 'train' and glob.glob(os.path.join(data_root, '*_val_*.npy')):
         raise UserError(f"{data_root!r} holds a val shard and no train shard: its corpus was smaller than "
                         "one --shard_size (shard 0 is the val split); delete it and run the same fineweb.py "
                         "command with a smaller --shard_size, about a tenth of the corpus's tokens "
                         "(docs/data.md)")
     raise UserError(f"no {split} shard (*_{split}_*.npy) in {data_root!r}: run `python fineweb.py`")
-
-
-def checked_shards(data_root, split, step_tokens, shuffle, say):
-    """(paths, lengths) of the split's shards (shuffled: less the cut first document, never read),
-    checked now, not hours into a run: one must hold a step of step_tokens + 1 tokens. A shorter one,
-    like the remainder fineweb.py writes last, keeps its place in the list (a checkpoint's shard
-    number means the same whatever total_batch_size) and is passed over when its turn comes (say:
-    print which)."""
-    paths = find_shards(data_root, split)
-    lengths = [len(t) - (cut_tail(t) if shuffle else 0) for t in map(open_shard, paths)]
-    less = ' less its cut first document' * shuffle
-    need = step_tokens + 1  # a step's inputs and its last target
-    if max(lengths) < need:
-        longest = int(np.argmax(lengths))
-        raise UserError(f"no {split} shard in {data_root!r} holds one step of total_batch_size + 1 = "
-                        f"{need} tokens (the longest, {paths[longest]}: {lengths[longest]} "
-                        f"tokens{less}): lower total_batch_size, or make longer shards "
-                        "(fineweb.py --shard_size)")
-    for path, n in zip(paths, lengths):
-        if n < need and say:
-            print(f"{path}: {n} tokens{less}, fewer than one step of {need}: passed over")
-    return paths, lengths
 
 
 def dataset_of(data_root):
@@ -86,18 +64,11 @@ def dataset_of(data_root):
     return f"{args['dataset']} {args.get('name') or ''}".strip() if 'dataset' in args else 'local files'
 
 
-def is_fineweb_edu(dataset, data_root):
-    """Whether a run's data is FineWeb-Edu: dataset as dataset_of says; without one (shards with no
-    manifest, like build-nanogpt's, or a run.json older than the key), data_root named as its folders are."""
-    if dataset is not None:
-        return dataset.split(' ')[0] == FINEWEB_EDU
-    name = os.path.basename(os.path.normpath(data_root)).lower()
-    return 'fineweb' in name and 'edu' in name
-
-
-def open_shard(path, vocab_size=None):
-    """The shard's tokens as a read-only memory map: pages load as batches touch them. With
-    vocab_size, every id is checked to be below it (one pass over the shard as it is opened)."""
+def open_shard(path, vocab_size=None, n=None):
+    """The shard's first n tokens (all of them by default) as a read-only memory map: pages load as
+    batches touch them. With vocab_size, every id of those is checked to be below it (one pass as the
+    shard is opened): an id the model has no embedding for is one line now, not an IndexError (CPU)
+    or a device-side assert (CUDA) when a batch reaches it."""
     try:
         tokens = np.load(path, mmap_mode='r')
     except (ValueError, OSError) as e:
@@ -105,45 +76,30 @@ def open_shard(path, vocab_size=None):
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
         raise UserError(f"{path}: expected a 1-D uint16 array of token ids, got {tokens.dtype} of shape "
                         f"{tokens.shape}")
-    check_vocab(tokens, vocab_size, path)
-    return tokens
-
-
-def check_vocab(tokens, vocab_size, path):
-    """An id the model has no embedding for: one line now, not an IndexError (CPU) or a device-side
-    assert (CUDA) when a batch reaches it."""
+    tokens = tokens[:n]
     if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
         i = int(tokens.argmax())
         raise UserError(f"{path}: token id {tokens[i]} (at token {i:,}) is not below the model's "
                         f"vocab_size={vocab_size}: the shard was made with another tokenizer, or vocab_size "
                         "is too small")
+    return tokens
 
 
 def load_val_tokens(data_root, n_tokens, vocab_size=None):
     """The first n_tokens + 1 tokens of the val split, as one uint16 array."""
-    parts = []
-    need = n_tokens + 1
-    for path in find_shards(data_root, 'val'):
-        parts.append(np.array(open_shard(path)[:need]))
-        check_vocab(parts[-1], vocab_size, path)
-        need -= len(parts[-1])
-        if need == 0:
-            return np.concatenate(parts)
-    raise UserError(f"the val split in {data_root!r} has {n_tokens + 1 - need} tokens, fewer than "
+    tokens = np.zeros(0, dtype=np.uint16)
+    for path in find_shards(data_root, 'val'):  # each shard adds what is still missing
+        tokens = np.concatenate([tokens, open_shard(path, vocab_size, n_tokens + 1 - len(tokens))])
+        if len(tokens) == n_tokens + 1:
+            return tokens
+    raise UserError(f"the val split in {data_root!r} has {len(tokens)} tokens, fewer than "
                     f"val_tokens + 1 = {n_tokens + 1}: lower val_tokens")
 
 
 def eot_positions(tokens, block):
     """Where tokens holds <|endoftext|>, an array per block of tokens, read a block at a time: the
     memory is the answer's, not a mask of the whole shard."""
-    for i in range(0, len(tokens), block):
-        yield np.flatnonzero(tokens[i:i + block] == EOT) + i
-
-
-def document_starts(tokens):
-    """Where a shard's documents start: token 0 (a shard may begin mid-document), then every
-    <|endoftext|> (fineweb.py writes a document as EOT, then its tokens)."""
-    return np.unique(np.concatenate([[0], *eot_positions(tokens, 1 << 24)]))  # token 0 may be an EOT itself
+    return (np.flatnonzero(tokens[i:i + block] == EOT) + i for i in range(0, len(tokens), block))
 
 
 def cut_tail(tokens):
@@ -155,35 +111,35 @@ def cut_tail(tokens):
 
 class ShuffledDocuments:
     """A shard's tokens with its documents in the order rng draws, each whole and in its own token
-    order: slices of it are gathered from the memory map (no copy of the shard). Holds three
-    numbers per document (where it starts in the file, and in this order). The tail of a document
-    cut at the shard's start (what cut_tail counts) is left out: it has no <|endoftext|> before it,
-    and shuffled it would be glued to an unrelated document."""
+    order: a slice of it is read from the memory map as the few documents it spans (no copy of the
+    shard). Holds three numbers per document (where it starts in the file, its length, and where it
+    starts in this order). The tail of a document cut at the shard's start (what cut_tail counts) is
+    left out: it has no <|endoftext|> before it, and shuffled it would be glued to an unrelated
+    document."""
 
     def __init__(self, tokens, rng):
-        starts = document_starts(tokens)
+        # where the documents start: token 0 (a shard may begin mid-document), then every <|endoftext|>
+        # (fineweb.py writes a document as EOT, then its tokens); token 0 may be an EOT itself
+        starts = np.unique(np.concatenate([[0], *eot_positions(tokens, 1 << 24)]))
         order = rng.permutation(len(starts))
         if len(starts) > 1 and tokens[0] != EOT:  # starts[0] is the cut tail: it is left out
             order = order[order != 0]  # the others stay in the order drawn
-        lengths = np.diff(starts, append=len(tokens))[order]
         self.tokens = tokens
         self.starts = starts[order]
-        self.offsets = np.concatenate(([0], np.cumsum(lengths)))  # where each one starts in this order
+        self.lengths = np.diff(starts, append=len(tokens))[order]
+        self.offsets = np.concatenate(([0], np.cumsum(self.lengths)))  # where each one starts in this order
 
     def __len__(self):
         return int(self.offsets[-1])
 
     def __getitem__(self, where):  # a slice [a:b] of the shuffled stream
-        a, b = where.start, min(where.stop, len(self))
-        i = int(np.searchsorted(self.offsets, a, side='right')) - 1  # the document holding token a
-        parts = []
-        while a < b:
-            take = min(b, self.offsets[i + 1]) - a
-            start = self.starts[i] + a - self.offsets[i]
-            parts.append(self.tokens[start:start + take])
-            a += take
-            i += 1
-        return np.concatenate(parts) if parts else self.tokens[:0]
+        a, b, _ = where.indices(len(self))
+        # the documents that tokens a and b fall in (in offsets[:-1], where each one starts: the end of
+        # the stream falls in the last one)
+        i, j = np.searchsorted(self.offsets[:-1], [a, b], side='right') - 1
+        # those documents whole, a slice of the memory map each (not an index per token), then a to b of them
+        docs = [self.tokens[start:start + n] for start, n in zip(self.starts[i:j + 1], self.lengths[i:j + 1])]
+        return np.concatenate(docs)[a - self.offsets[i]:b - self.offsets[i]]
 
 
 class DataLoaderLite:
@@ -197,11 +153,25 @@ class DataLoaderLite:
     def __init__(self, B, T, process_rank, num_processes, split, data_root, accum_steps=1,
                  vocab_size=None, shuffle=False, seed=1337):
         self.B, self.T, self.rank, self.world, self.accum = B, T, process_rank, num_processes, accum_steps
-        self.micro = 0  # the micro-steps of this step read so far
         self.step_tokens = B * T * num_processes * accum_steps
         self.vocab_size, self.shuffle, self.seed = vocab_size, shuffle, seed
-        self.say = process_rank == 0  # print what is passed over and resumed
-        self.shards, self.lengths = checked_shards(data_root, split, self.step_tokens, shuffle, self.say)
+        # The shards' lengths (shuffled: less the cut first document, never read), checked now, not
+        # hours into a run: one must hold a step. A shorter one, like the remainder fineweb.py writes
+        # last, keeps its place in the list (a checkpoint's shard number means the same whatever
+        # total_batch_size) and is passed over when its turn comes (rank 0 says which).
+        self.shards = find_shards(data_root, split)
+        self.lengths = [len(t) - (cut_tail(t) if shuffle else 0) for t in map(open_shard, self.shards)]
+        less = ' less its cut first document' * shuffle
+        # a step reads step_tokens + 1 tokens: its inputs and its last target
+        if max(self.lengths) <= self.step_tokens:
+            longest = int(np.argmax(self.lengths))
+            raise UserError(f"no {split} shard in {data_root!r} holds one step of total_batch_size + 1 = "
+                            f"{self.step_tokens + 1} tokens (the longest, {self.shards[longest]}: "
+                            f"{self.lengths[longest]} tokens{less}): lower total_batch_size, or make longer "
+                            "shards (fineweb.py --shard_size)")
+        for path, n in zip(self.shards, self.lengths):
+            if n <= self.step_tokens and process_rank == 0:
+                print(f"{path}: {n} tokens{less}, fewer than one step of {self.step_tokens + 1}: passed over")
         self.n_tokens = sum(self.lengths)
         self.steps_per_epoch = sum((n - 1) // self.step_tokens for n in self.lengths)
         self.open(0, 0, 0)
@@ -212,27 +182,26 @@ class DataLoaderLite:
         B, T = self.B, self.T
         start = self.pos + (self.micro * self.world + self.rank) * B * T
         buf = torch.from_numpy(self.tokens[start:start + B * T + 1].astype(np.int64))  # only this chunk
-        x, y = buf[:-1].view(B, T), buf[1:].view(B, T)  # inputs, targets
-        self.micro += 1
-        if self.micro == self.accum:  # this step's run is read: every rank advances alike
-            self.micro = 0
+        self.micro = (self.micro + 1) % self.accum
+        if self.micro == 0:  # this step's run is read: every rank advances alike
             self.pos += self.step_tokens
             self.next_shard_if_short()
-        return x, y
+        return buf[:-1].view(B, T), buf[1:].view(B, T)  # inputs, targets
 
     def open(self, epoch, shard, pos):
         """Shard number `shard` in epoch's order of the shards, from token pos of its stream."""
-        rng = lambda *key: np.random.default_rng([self.seed, epoch, *key])  # (seed, epoch): any world size
-        self.order = rng().permutation(len(self.shards)) if self.shuffle else np.arange(len(self.shards))
-        self.epoch = epoch
-        self.shard = shard
-        self.pos = pos
-        self.tokens = open_shard(self.shards[self.order[shard]], self.vocab_size)
-        if self.shuffle:  # its documents in an order of their own
-            self.tokens = ShuffledDocuments(self.tokens, rng(self.order[shard]))
+        # shuffled: (seed, epoch) orders the shards, and (seed, epoch, shard) a shard's documents, whatever
+        # the world size
+        self.order = (np.random.default_rng([self.seed, epoch]).permutation(len(self.shards)) if self.shuffle
+                      else np.arange(len(self.shards)))
+        # the position, at a step boundary; micro: the micro-steps of this step read so far
+        self.epoch, self.shard, self.pos, self.micro = epoch, shard, pos, 0
+        tokens = open_shard(self.shards[self.order[shard]], self.vocab_size)
+        self.tokens = (ShuffledDocuments(tokens, np.random.default_rng([self.seed, epoch, self.order[shard]]))
+                       if self.shuffle else tokens)
 
     def next_shard_if_short(self):
-        """Past shards shorter than one step (checked_shards made sure one is longer): while no
+        """Past shards shorter than one step (__init__ made sure one is longer): while no
         whole step is left, the next shard, or the next epoch."""
         while self.pos + self.step_tokens + 1 > len(self.tokens):
             last = self.shard + 1 == len(self.shards)
@@ -241,8 +210,8 @@ class DataLoaderLite:
     def epoch_begins(self):
         """Whether this step begins an epoch after the first: none of it read yet, and the shards
         before this one too short to hold a step."""
-        short_before = all(self.lengths[k] <= self.step_tokens for k in self.order[:self.shard])
-        return self.epoch > 0 and self.pos == 0 and short_before
+        return (self.epoch > 0 and self.pos == 0
+                and all(self.lengths[k] <= self.step_tokens for k in self.order[:self.shard]))
 
     def state(self):
         """The global position, at a step boundary: the same on every rank, for any world size."""
@@ -252,7 +221,7 @@ class DataLoaderLite:
     def load_state(self, state, source):
         """Resume at a checkpoint's position (source: its path, for the errors)."""
         if 'epoch' not in state:  # written before shuffling: files and tokens in order
-            if self.shuffle and self.say:
+            if self.shuffle and self.rank == 0:
                 print(f"{source} was written before the data was shuffled: it resumes in file order "
                       f"(shuffle=False)")
             self.shuffle = False
@@ -276,11 +245,10 @@ def val_batches(tokens, B, T, rank, world):
     batch has one shape: one compiled graph. text: the targets that decode to text, for bits per byte
     (<|endoftext|> and padding: 0 bytes)."""
     import torch
-    from gptkit.tokenizer import token_byte_lengths
-    n_seq = (len(tokens) - 1) // T
-    mine = list(range(rank, n_seq, world))
-    rows = np.full((-(-len(mine) // B) * B, T + 1), -1)  # whole batches of B rows
-    rows[:len(mine)] = [tokens[j * T:j * T + T + 1] for j in mine]
-    text = (token_byte_lengths()[rows[:, 1:]] > 0) & (rows[:, 1:] >= 0)
-    x, y = torch.from_numpy(rows[:, :-1].clip(0)), torch.from_numpy(rows[:, 1:])
-    return x.view(-1, B, T), y.view(-1, B, T), torch.from_numpy(text).view(-1, B, T)
+    seqs = range(rank, (len(tokens) - 1) // T, world)  # this rank's sequences of T tokens (and a target)
+    rows = np.full((-(-len(seqs) // B) * B, T + 1), -1)  # whole batches of B rows
+    rows[:len(seqs)] = [tokens[j * T:j * T + T + 1] for j in seqs]
+    # the targets that decode to text: GPT-2's ids below <|endoftext|>, each one byte or more
+    text = (rows[:, 1:] >= 0) & (rows[:, 1:] < EOT)
+    # x (a padding row's inputs: token 0), y and text
+    return tuple(torch.from_numpy(a).view(-1, B, T) for a in (rows[:, :-1].clip(0), rows[:, 1:], text))

@@ -53,6 +53,22 @@ def test_overrides_parse_as_literals_and_keep_types(tmp_path):
     assert DEFAULTS["n_layer"] == 12 and DEFAULTS["B"] == 64  # the defaults are not touched
 
 
+def test_B_takes_a_number_when_its_default_is_auto(tmp_path):
+    """With B = "auto" as the default atop train_gpt2.py, --B=16 is the int 16, not the text "16" that
+    a string constant would take; from a config file as well, and "auto" and a bad value as before."""
+    auto = dict(DEFAULTS, B="auto")
+    B = parse_config(["--B=16"], auto)["B"]
+    assert B == 16 and type(B) is int
+    cfg_file = tmp_path / "b.py"
+    cfg_file.write_text("B = 8\n")
+    assert parse_config([str(cfg_file)], auto)["B"] == 8
+    assert parse_config([], auto)["B"] == "auto" and parse_config(["--B=auto"], auto)["B"] == "auto"
+    for argv, got in ((["--B=big"], "'big'"), (["--B=True"], "True"), (["--B=1.5"], "1.5")):
+        with pytest.raises(UserError, match=f"^config key 'B' must be 'auto' or a number of sequences, "
+                                            f"got {got}$"):
+            parse_config(argv, auto)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--max_step=5"], r"unknown config key 'max_step' in --max_step=5; closest valid names: max_steps"),
     (["--n_layer=2.5"],

@@ -377,3 +377,18 @@ def test_a_document_cut_at_a_shards_start_is_left_out_of_the_shuffled_order(docs
         if shuffle:  # nothing else is left out: every other document is read (but the shards' unread ends)
             rest = {int(t) for tokens in shards for t in np.concatenate(shuffled_documents(tokens))} - {EOT}
             assert len(rest - read) < 16 * len(shards)
+
+
+def test_every_slice_of_a_shuffled_shard_is_the_streams():
+    """ShuffledDocuments[a:b] reads the documents it spans from the memory map: every slice, up to
+    and past the end of the stream, is the brute-force stream's, as the reference concatenates it."""
+    from gptkit.shards import ShuffledDocuments
+    for tokens in make_document_shards(LENGTHS[:2], seed=1):  # one begins mid-document, one with an EOT
+        docs, kept = documents(tokens), shuffled_documents(tokens)
+        order = np.random.default_rng([7, 0]).permutation(len(docs))
+        stream = np.concatenate([docs[j] for j in order if j > 0 or len(kept) == len(docs)])
+        shuffled = ShuffledDocuments(tokens, np.random.default_rng([7, 0]))
+        assert len(shuffled) == len(stream)
+        for a in range(len(stream) + 1):
+            for b in range(a, len(stream) + 3):
+                assert np.array_equal(shuffled[a:b], stream[a:b]), (a, b)
