@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 import hellaswag
+from gptkit import hellaswag as scoring
 from bench import print_flops, run_python, seconds, synthetic_shard
 from gptkit import memory
 from gptkit.configurator import parse_config, trainer_defaults
@@ -66,12 +67,12 @@ def time_evals(c, device, n_examples):
         return total.item()
     val_eval(2)  # compiles
     val_s, _ = seconds(device, lambda: val_eval(len(x)))
-    batch = hellaswag.examples_per_batch(c['B'], c['T'])  # as the trainer prepares them
+    batch = scoring.examples_per_batch(c['B'], c['T'])  # as the trainer prepares them
     examples = hellaswag.synthetic_examples(n_examples)
-    prepared = hellaswag.prepare(examples, c['block_size'], device, batch, one_shape=c['compile'])
-    hellaswag.evaluate(model, prepared, c['dtype'], c['compile'])  # compiles
-    hella_s, counts = seconds(device, lambda: hellaswag.evaluate(model, prepared, c['dtype'], c['compile']))
-    eager = hellaswag.evaluate(model, prepared, c['dtype'])
+    prepared = scoring.prepare(examples, c['block_size'], device, batch, one_shape=c['compile'])
+    scoring.evaluate(model, prepared, c['dtype'], c['compile'])  # compiles
+    hella_s, counts = seconds(device, lambda: scoring.evaluate(model, prepared, c['dtype'], c['compile']))
+    eager = scoring.evaluate(model, prepared, c['dtype'])
     print(f"hellaswag (examples, acc, acc_norm): {counts.tolist()}, eager: {eager.tolist()}")
     return val_s, hella_s
 

@@ -1,206 +1,17 @@
 """
-HellaSwag: download, render and score, as build-nanogpt does, but batched and distributed.
+HellaSwag, the tool: a model's acc and acc_norm on HellaSwag, whole process, as build-nanogpt's
+hellaswag.py measures them (the scoring, batched, lives in gptkit/hellaswag.py; the trainer's evals
+call it too). Also made-up examples in HellaSwag's format, for benchmarks and checks.
 
     python hellaswag.py --model gpt2                # OpenAI GPT-2 124M (HF): acc 0.2859 acc_norm 0.2955
     python hellaswag.py --model log/model_19073.pt   # a checkpoint of train_gpt2.py
     python hellaswag.py --model path/to/hf_dir --file hellaswag_val.jsonl --limit 500
-
-An example is a context and 4 endings; each ending is scored by the loss of its tokens after the
-context. acc picks the ending of lowest summed loss, acc_norm the lowest mean loss (per token).
-Rows are rendered as build-nanogpt renders them (context tokens, then " " + ending tokens), so the
-figures compare with its published ones.
 """
 import json
-import os
 
-import torch
-
-from gptkit.common import UserError, atomic_write
-from gptkit.hardware import autocast, pick_device
-from gptkit.tokenizer import N_VOCAB, get_gpt2_encoding
-
-CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hellaswag")
-
-
-def download(split, cache_dir=CACHE_DIR, url=None):
-    """The path of hellaswag_{split}.jsonl in cache_dir, downloaded first if missing (atomically:
-    never a half file under the final name)."""
-    path = os.path.join(cache_dir, f"hellaswag_{split}.jsonl")
-    if os.path.isfile(path):
-        return path
-    url = url or f"https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
-    import http.client
-    import urllib.request
-
-    try:  # read whole (about 11 MB) before the folder is made: a failed download leaves nothing behind
-        from tqdm import tqdm
-        with urllib.request.urlopen(url, timeout=30) as r, tqdm(unit='B', unit_scale=True, desc=split) as bar:
-            size, data = int(r.headers.get('Content-Length') or 0) or None, bytearray()
-            bar.total = size
-            while chunk := r.read(1 << 16):
-                data += chunk
-                bar.update(len(chunk))
-        if size is not None and len(data) != size:
-            raise OSError(f"got {len(data)} of {size} bytes")
-        os.makedirs(cache_dir, exist_ok=True)
-        atomic_write(path, lambda f: f.write(data))
-    except (OSError, http.client.HTTPException) as e:
-        raise UserError(f"could not download {url} ({type(e).__name__}: {e}); put hellaswag_{split}.jsonl "
-                        f"in {cache_dir}, or pass a file of your own") from None
-    return path
-
-
-def iterate_examples(split="val", file=None, cache_dir=CACHE_DIR):
-    """The examples of a HellaSwag jsonl file (file, else the cached/downloaded split), checked."""
-    path = file or download(split, cache_dir)
-    if not os.path.isfile(path):
-        raise UserError(f"{path}: no such file (expected HellaSwag jsonl, one example per line)")
-    with open(path, encoding='utf-8') as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                example = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(example, dict) or not isinstance(example.get('ctx'), str):
-                raise UserError(f"{path}:{lineno}: expected an object with a string 'ctx'")
-            endings = example.get('endings')
-            if not (isinstance(endings, list) and len(endings) == 4
-                    and all(isinstance(e, str) for e in endings)):
-                raise UserError(f"{path}:{lineno}: expected 4 string endings, got {endings!r:.100}")
-            if example.get('label') not in (0, 1, 2, 3):
-                raise UserError(f"{path}:{lineno}: label must be 0..3, got {example.get('label')!r}")
-            yield example
-
-
-def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1, one_shape=False):
-    """Rank's share of the examples, made once on the host into what ending_losses takes, on device:
-    (batches, labels). An example is one packed row: its context once, then its 4 endings, each at
-    the positions right after the context and seeing only the context and itself (as 4 separate rows
-    would, for about half the tokens). The examples are sorted by length and dealt to the ranks in turn,
-    E = batch_examples to a batch: x (E, L), the rows right-padded; seg (E, L), what each token is
-    (0 context, 1-4 an ending, 5 padding); pos (E, L), its position; at (M,), the places in x.view(-1)
-    that predict ending tokens; y (M,), those tokens; row (M,), the ending of each among all of the
-    rank's (4 * len(labels): padding). With one_shape (compiled) every batch has the largest one's
-    shape: one graph. A context too long for an ending loses tokens from the left."""
-    enc, packed, long = get_gpt2_encoding(), [], 0
-    for example in examples:
-        ctx = enc.encode(example['ctx'])
-        endings = [enc.encode(" " + ending) for ending in example['endings']]  # as build-nanogpt renders them
-        cut = max(0, len(ctx) + max(map(len, endings)) - block_size)
-        if cut > len(ctx):
-            raise UserError(f"an ending of {max(map(len, endings))} tokens does not fit in "
-                            f"block_size={block_size}")
-        long += cut > 0
-        ctx = ctx[cut:]
-        # its row, a cell (token, seg, position) per token: the context, then each ending at the positions
-        # right after the context, as if it followed the context alone
-        cells = [(t, 0, p) for p, t in enumerate(ctx)] + [
-            (t, i + 1, len(ctx) + p) for i, ending in enumerate(endings) for p, t in enumerate(ending)]
-        # the ending tokens it scores, a (where, token, ending) each: where in the row the token that
-        # predicts it is, the one before it, or for an ending's first the context's last (at position
-        # p - 1); with no context, an ending's first token has nothing before it and is not scored
-        targets = [(k - 1 if p > len(ctx) else p - 1, t, s - 1)
-                   for k, (t, s, p) in enumerate(cells) if s > 0 and p > 0]
-        packed.append(dict(cells=cells, targets=targets, context=len(ctx), label=example['label']))
-    if long and rank == 0:
-        print(f"hellaswag: {long} examples are longer than block_size={block_size}: "
-              f"their contexts lose tokens from the left")
-    mine = sorted(packed, key=lambda p: len(p['cells']))[rank::world]  # a batch's rows are about as long
-    groups = [mine[i:i + batch_examples] for i in range(0, len(mine), batch_examples)]
-    # (rows, L, M) of each batch: M, its ending tokens (all but the contexts')
-    shapes = [(len(g), max(len(p['cells']) for p in g), sum(len(p['cells']) - p['context'] for p in g))
-              for g in groups]
-    if one_shape:  # (rows, L, M) of the largest
-        shapes = [(batch_examples, max(s[1] for s in shapes), max(s[2] for s in shapes))] * len(groups)
-    batches = []
-    for b, (g, (E, L, M)) in enumerate(zip(groups, shapes)):
-        # each example's row right-padded to L, then rows of padding up to E: token 0, seg 5, position 0
-        grid = ([p['cells'] + [(0, 5, 0)] * (L - len(p['cells'])) for p in g]
-                + [[(0, 5, 0)] * L] * (E - len(g)))
-        x, seg, pos = torch.tensor(grid).unbind(-1)  # (E, L) each
-        # the examples' targets, now with where in x.view(-1) and which ending among all of the rank's
-        targets = [(r * L + k, t, 4 * (b * batch_examples + r) + i)
-                   for r, p in enumerate(g) for k, t, i in p['targets']]
-        # (M,) each, after padding up to M: token 0, predicted at 0, summed in a row past the rank's endings
-        at, y, row = torch.tensor(targets + [(0, 0, 4 * len(mine))] * (M - len(targets))).unbind(-1)
-        batches.append(tuple(t.to(device) for t in (x, seg, pos, at, y, row)))
-    return batches, torch.tensor([p['label'] for p in mine], device=device)
-
-
-def batch_losses(model, x, seg, pos, at, y):
-    """The losses (M,) of the ending tokens y of a batch of prepare's: each one's cross-entropy, in
-    float32, after its context and the tokens before it in its ending. Shapes fixed by the batch, and
-    no op whose output's size depends on the data: nothing waits for the host, and compiled it is one
-    graph."""
-    # (E, L, L): what each token sees, up to itself: the context, and its own ending
-    sees = torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device).tril() & (
-        (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
-    # (M, n_embd): the hidden states where an ending token is next; the output layer runs only there
-    h = model.hidden_states(x, pos=pos, mask=sees[:, None]).flatten(0, 1)[at]
-    logits = model.lm_head(h).float()  # (M, vocab)
-    return torch.logsumexp(logits, dim=1) - logits.gather(1, y[:, None])[:, 0]
-
-
-def ending_losses(model, prepared, dtype="float32", compile=False):
-    """(sum, mean) losses of every ending of prepare's output (on the model's device), 4 per example
-    in its order: each ending token's cross-entropy after the tokens before it, in float32."""
-    (batches, labels), device = prepared, model.lm_head.weight.device
-    model.eval()  # no dropout, whatever mode the model came in (the trainer's step sets train mode)
-    f = torch.compile(batch_losses, dynamic=False) if compile else batch_losses  # one graph: dynamo keeps it
-    sums = torch.zeros(2, 4 * len(labels) + 1, device=device)  # per row: summed losses, scored tokens
-    with torch.no_grad(), autocast(device, dtype):
-        for *batch, row in batches:  # each token: its loss, and 1 to count it
-            sums.index_add_(1, row, torch.stack((f(model, *batch), torch.ones(row.shape, device=device))))
-    return sums[0, :-1], sums[0, :-1] / sums[1, :-1]
-
-
-def evaluate(model, prepared, dtype="float32", compile=False):
-    """(examples, correct by acc, correct by acc_norm) of prepare's output: a tensor (3,) on the
-    model's device, counted without the host; sum it over ranks for the whole set."""
-    labels = prepared[1]
-    # (2, examples): each one's pick by acc (the lowest summed loss), by acc_norm (the lowest mean)
-    picks = torch.stack([loss.view(-1, 4).argmin(1)
-                         for loss in ending_losses(model, prepared, dtype, compile)])
-    return torch.cat((labels.new_tensor([len(labels)]), (picks == labels).sum(1)))
-
-
-def examples_per_batch(B, T):
-    """The trainer's HellaSwag batch: about as many tokens as a training micro-batch of B sequences of T
-    (an example packs fewer than 256), at most 32: it fits where a step fits."""
-    return max(1, min(32, B * T // 256))
-
-
-def load_for_training(file, model, batch_examples, device, one_shape=False):
-    """For train_gpt2.py's evals: this rank's batches of the val examples (file, else the cached or
-    downloaded split), prepared and on the device once for the whole run. A run that cannot score
-    them stops here, before its first step, with one line (a UserError on every rank): HellaSwag is
-    never silently off."""
-    from gptkit import parallel  # the trainer's path only: `python hellaswag.py` needs no process group
-    examples, why = None, None
-    if model.config.vocab_size < N_VOCAB:
-        why = f"vocab_size={model.config.vocab_size} is smaller than GPT-2's {N_VOCAB}"
-    else:
-        path = file or os.path.join(CACHE_DIR, 'hellaswag_val.jsonl')
-        # the split: downloaded once per node (LOCAL_RANK 0), as nodes may not share ./hellaswag/; the
-        # others wait for it in the collective below; on a shared folder each rename is atomic
-        if not file:
-            if int(os.environ.get('LOCAL_RANK', 0)) == 0:
-                try:
-                    download('val')  # nothing to do once cached
-                except UserError as e:
-                    why = str(e)
-            parallel.agree(0)  # each node's download first, however long (within the first step's timeout)
-        examples = list(iterate_examples(file=path)) if os.path.isfile(path) else None  # bad data: UserError
-        if examples == []:  # every rank reads the same file: all stop here, before step 0
-            raise UserError(f"{path}: no HellaSwag examples in it")
-    if not parallel.agree(examples is not None, 'min'):  # e.g. a node without the file: every rank stops
-        why = why or (f"{path} not found" if examples is None else "not on every node")
-        raise UserError(f"no HellaSwag eval: {why}; pass --hellaswag_file=PATH "
-                        f"(a HellaSwag val jsonl file) or --hellaswag=False")
-    return prepare(examples, model.config.block_size, device, batch_examples, parallel.rank(),
-                   parallel.world_size(), one_shape)
+from gptkit.common import UserError
+from gptkit.hardware import pick_device
+from gptkit.hellaswag import evaluate, iterate_examples, prepare
 
 
 def synthetic_examples(n, seed=0):
@@ -240,7 +51,7 @@ def main(argv=None):
     p.add_argument('--batch_examples', type=int, default=32,
                    help="examples per batch (default: %(default)s)")
     args = p.parse_args(argv)
-    from gptkit.loading import load_model  # here, not atop: the trainer's `import hellaswag` stays light
+    from gptkit.loading import load_model  # here: `import hellaswag` (tests, bench.py) stays light
     try:
         device = pick_device(args.device)
         examples = list(iterate_examples(args.split, args.file))[:args.limit or None]

@@ -119,8 +119,7 @@ class GPT(nn.Module):
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
             # the layers that write into the residual stream: scaled down for its two additions per layer
-            residual = getattr(module, 'RESIDUAL_SCALE_INIT', False)
-            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if residual else 0.02
+            std = 0.02 * (2 * self.config.n_layer) ** -0.5 if hasattr(module, 'RESIDUAL_SCALE_INIT') else 0.02
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
@@ -294,11 +293,11 @@ class GPT(nn.Module):
         cached, so each new token costs one position's forward. Once the sequence outgrows
         block_size the positions of all tokens shift, and the window is recomputed each step."""
         bs, nh, hs = self.config.block_size, self.config.n_head, self.config.n_embd // self.config.n_head
-        device, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
-        if torch.is_autocast_enabled(device.type):  # k and v come in autocast's dtype
-            dtype = torch.get_autocast_dtype(device.type)
-        shape = (2, idx.size(0), nh, min(bs, idx.size(1) + max_new_tokens), hs)  # (2, B, nh, window, hs)
-        kv_cache = [torch.empty(shape, device=device, dtype=dtype) for _ in self.transformer.h]  # per layer
+        dtype = (torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type)
+                 else self.lm_head.weight.dtype)  # of k and v
+        # per layer, its keys and values: (2, B, nh, window, hs)
+        kv_cache = [torch.empty(2, idx.size(0), nh, min(bs, idx.size(1) + max_new_tokens), hs,
+                                device=idx.device, dtype=dtype) for _ in self.transformer.h]
         n_cached = 0  # positions of idx[:, -bs:] already in the cache
         for _ in range(max_new_tokens):
             n_cached = n_cached if idx.size(1) <= bs else 0  # once the window slides, the cache is stale

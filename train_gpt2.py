@@ -112,10 +112,8 @@ def get_lr(it):
     return max_lr - (progress if decay_shape == 'linear' else math.sqrt(progress)) * (max_lr - min_lr)
 
 
-LR_SCHEDULES = ('cosine', 'wsd')  # get_lr's: a new schedule is a branch there and its name here
-if lr_schedule not in LR_SCHEDULES:
-    raise UserError(f"config key 'lr_schedule' must be {' or '.join(map(repr, LR_SCHEDULES))}, "
-                    f"got {lr_schedule!r}")
+if lr_schedule not in ('cosine', 'wsd'):  # get_lr's: a new schedule is a branch there and its name here
+    raise UserError(f"config key 'lr_schedule' must be 'cosine' or 'wsd', got {lr_schedule!r}")
 
 # -----------------------------------------------------------------------------
 # DDP setup: torchrun starts one process per device and tells each who it is (RANK, LOCAL_RANK,
@@ -141,14 +139,11 @@ if ddp:
 config = hardware.choose_precision(config, device)  # dtype and compile "auto", the same on every rank
 dtype, compile = config['dtype'], config['compile']
 sharded = ddp and parallel == 'fsdp'  # FSDP: each rank holds a shard of the state (docs/fsdp.md)
-if sharded:
-    from gptkit import fsdp
 
 # -----------------------------------------------------------------------------
 # the model: resumed from log_dir's newest checkpoint (resume="auto": the same command continues a
 # stopped run), fresh, or OpenAI's/HF's weights
-for split in ('train', 'val') if eval_interval > 0 else ('train',):
-    shards.find_shards(data_root, split)  # a missing folder is said before log_dir is made or a model built
+shards.find_shards(data_root, 'train')  # a missing data folder is said before log_dir or a model is made
 checkpoint.claim_log_dir(log_dir)  # one run per log_dir: rank 0 locks log_dir/run.lock
 torch.manual_seed(seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
 ckpt_path, ckpt = checkpoint.find_checkpoint(log_dir, resume)  # rank 0 validates it; the others follow
@@ -195,11 +190,11 @@ if device == 'cpu':  # the CPU's own speed tricks (gptkit/cpu.py): a GPU never r
     if cpu_reuse_memory:
         cpu.reuse_freed_memory()  # freed memory kept for reuse: faster steps, more peak RSS
 if sharded:
+    from gptkit import fsdp
     fsdp.shard(raw_model)  # before the optimizer, which must see the shards
-device_type = torch.device(device).type
-optimizer = raw_model.configure_optimizers(weight_decay, max_lr, device_type, optimizer, muon_lr,
-                                           muon_momentum)
-scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')  # a no-op unless float16
+optimizer = raw_model.configure_optimizers(weight_decay, max_lr, hardware.device_type(device), optimizer,
+                                           muon_lr, muon_momentum)
+scaler = torch.amp.GradScaler(hardware.device_type(device), enabled=dtype == 'float16')  # float16 only
 # updates done; the evals of `step` done; non-finite steps in a row; the bytes of log.txt and
 # samples.txt that this run keeps (none when it starts afresh)
 step, evaluated, bad_steps, logs = 0, False, 0, {}
@@ -238,9 +233,8 @@ if ddp and not sharded:
     for p in raw_model.parameters():  # DDP makes these its buckets' views: no second copy of the gradients
         p.grad = torch.zeros_like(p)
     model = DDP(model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True)
-hella_data = None
 if hellaswag and eval_interval > 0:  # each rank's share of the examples, made once, on the device
-    import hellaswag as hellaswag_eval
+    from gptkit import hellaswag as hellaswag_eval  # (hellaswag: the constant above)
     hella_data = hellaswag_eval.load_for_training(hellaswag_file, raw_model,
                                                   hellaswag_eval.examples_per_batch(B, T), device, compile)
 
@@ -273,13 +267,11 @@ def save_checkpoint(val_loss):
     else:
         checkpoint.check_replicas(raw_model, step)  # DDP: a diverged replica is never saved
         model_state, optimizer_state = raw_model.state_dict(), optimizer.state_dict()
-    ckpt = None
-    if master_process:
-        ckpt = {'model': model_state, 'optimizer': optimizer_state, 'config': vars(raw_model.config),
-                'train_config': config, 'step': step, 'val_loss': val_loss, 'evaluated': evaluated,
-                'loader': train_loader.state(), 'rng': checkpoint.rng_state(device), 'bad_steps': bad_steps,
-                'scaler': scaler.state_dict(), 'logs': checkpoint.log_sizes(log_dir)}
-    checkpoint.save(ckpt, log_dir, keep_checkpoints)
+    checkpoint.save({'model': model_state, 'optimizer': optimizer_state, 'config': vars(raw_model.config),
+                     'train_config': config, 'step': step, 'val_loss': val_loss, 'evaluated': evaluated,
+                     'loader': train_loader.state(), 'rng': checkpoint.rng_state(device),
+                     'bad_steps': bad_steps, 'scaler': scaler.state_dict(),
+                     'logs': checkpoint.log_sizes(log_dir)}, log_dir, keep_checkpoints)
 
 
 # -----------------------------------------------------------------------------
@@ -287,8 +279,9 @@ def save_checkpoint(val_loss):
 # (unless it is the last step) updated: step -> step + 1
 checkpoint.listen_for_stop_signals()  # from here SIGTERM and Ctrl-C only set a flag, read between steps
 start_step = step
-waits_short = False  # collectives wait FIRST_STEP_TIMEOUT until every graph the run needs is built once:
-evals_built = eval_interval == 0  # the first step's and the first evals' (a resumed run's come later)
+# collectives wait FIRST_STEP_TIMEOUT until every graph the run needs is built once: the first step's and
+# the first evals' (a resumed run's come later)
+evals_built = eval_interval == 0
 for step in range(start_step, max_steps + 1):
     last_step = step == max_steps
     # SIGTERM or Ctrl-C on any rank sets a flag; the ranks agree on it here, at a step boundary, and all
@@ -332,7 +325,7 @@ for step in range(start_step, max_steps + 1):
                 print(f"step {step:5d} | val loss {val_loss:.4f} | val bpb {bpb:.4f}")
                 run_record.log(log_dir, f"{step} val {val_loss:.4f}")
                 run_record.log(log_dir, f"{step} bpb {bpb:.4f}")
-        if do_eval and hella_data is not None:  # the plain model, in its own compiled graph, under DDP too
+        if do_eval and hellaswag:  # the plain model, in its own compiled graph, under DDP too
             counts = hellaswag_eval.evaluate(eval_raw, hella_data, dtype, compile)  # examples, acc, acc_norm
             if ddp:
                 dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # each rank scored its share of the examples
@@ -371,7 +364,6 @@ for step in range(start_step, max_steps + 1):
     model.train()
     optimizer.zero_grad(set_to_none=not isinstance(model, DDP))  # DDP: zeroed in place, in its buckets
     loss_accum = torch.zeros((), device=device)
-    drop_base = (seed * 1_000_003 + step) % 2 ** 31 << 32  # dropout's masks: from the seed and the step, ...
     for micro_step in range(grad_accum_steps):
         x, y = train_loader.next_batch()
         if cuda:  # from pinned memory the copy runs without the host waiting for it
@@ -383,9 +375,10 @@ for step in range(start_step, max_steps + 1):
             model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
         if sharded:
             raw_model.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
-        # ... and each sequence's place in the step, whatever the ranks and micro-steps (model.py: GPT.drop)
-        place = (micro_step * world_size + rank) * B  # of this micro-batch's first sequence
-        keys = torch.arange(place, place + B, device=device) + drop_base if dropout > 0 else None
+        # dropout's masks: from the seed, the step and each sequence's place in the step, whatever the ranks
+        # and micro-steps (model.py: GPT.drop)
+        keys = (torch.arange(B, device=device) + (micro_step * world_size + rank) * B
+                + ((seed * 1_000_003 + step) % 2 ** 31 << 32)) if dropout > 0 else None
         with hardware.autocast(device, dtype):
             _, loss = model(x, y, dropout_keys=keys)
         loss = loss / grad_accum_steps  # the gradient of the mean over all micro-batches
@@ -416,9 +409,8 @@ for step in range(start_step, max_steps + 1):
         bad_steps += 1
     loss = loss_accum.item()  # waits for the step to finish: dt is its real time
     dt = time.time() - t0
-    if evals_built and not waits_short:  # every rank has compiled, each at its pace: from here a stuck
-        set_collective_timeout(collective_timeout)  # rank ends the run soon (docs/ddp.md, 10)
-        waits_short = True
+    if evals_built:  # every rank has compiled, each at its pace: from here a stuck rank ends the run soon
+        set_collective_timeout(collective_timeout)  # (the first call does it: docs/ddp.md, 10)
     if step == start_step:
         t_first = time.time()  # the first step compiles: the ETA counts from its end
         if master_process and sharded:  # what a rank holds: its shards (DDP: whole tensors on every rank)

@@ -248,12 +248,12 @@ def check_replicas(model, step):
 
 
 def save(ckpt, log_dir, keep_checkpoints):
-    """Rank 0 writes ckpt (a dict; None on the other ranks) to log_dir/model_{step:05d}.pt
-    atomically, then deletes the checkpoints beyond the newest keep_checkpoints. Every rank calls it and
-    learns whether it worked: a failed write (a full disk) stops the run, the earlier checkpoints
-    untouched."""
+    """Rank 0 writes ckpt (a dict: every rank passes its own, rank 0's is the one) to
+    log_dir/model_{step:05d}.pt atomically, then deletes the checkpoints beyond the newest
+    keep_checkpoints. Every rank calls it and learns whether it worked: a failed write (a full disk)
+    stops the run, the earlier checkpoints untouched."""
     error = None
-    if ckpt is not None:
+    if parallel.rank() == 0:
         # A copy of ckpt with its tensors on the host. They all start for the host at once, where
         # torch.save would wait for each in turn: from a GPU each copy goes into pinned memory without the
         # host waiting; they are done once the host next reads the device, as its stream runs in order.

@@ -29,7 +29,5 @@ def atomic_write(path, write):
         raise
     if os.name == 'posix':  # the rename itself survives a crash (a folder cannot be opened on Windows)
         dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        os.fsync(dir_fd)  # a failure raises, and its caller stops (the descriptor then leaks, once)
+        os.close(dir_fd)

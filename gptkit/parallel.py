@@ -82,8 +82,10 @@ def first_step_timeout(collective_timeout):
 def set_collective_timeout(collective_timeout):
     """On every rank, once the first training step is done: from here every collective gives up after
     collective_timeout. The ranks meet first, under the longer timeout, so that none waits under the
-    shorter one for a rank still in its first step."""
+    shorter one for a rank still in its first step. Later calls do nothing."""
     global waiting
+    if waiting.startswith('collective_timeout'):
+        return
     if dist.is_initialized():
         dist.barrier()
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=collective_timeout))

@@ -305,7 +305,7 @@ def test_dropout_masks_follow_each_sequence_and_train_mode_alone():
     up; each sequence's masks follow its key, not its row in the batch or what else the batch
     holds; other keys draw other masks, and without keys torch's generator draws them; eval mode or
     dropout 0 drop nothing. HellaSwag scores in eval mode whatever mode the model came in."""
-    import hellaswag
+    from gptkit import hellaswag
     from test_hellaswag import make_examples
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32))

@@ -132,7 +132,8 @@ def test_a_new_schedule_is_a_change_to_train_gpt2_alone(data, tmp_path):
     LR_SCHEDULES) to a copy of train_gpt2.py and nothing else, runs with --lr_schedule=linear and
     logs the lr it gives: max_lr * (max_steps - step) / (max_steps - warmup_steps) after warmup."""
     source = open(os.path.join(ROOT, "train_gpt2.py")).read()
-    source = source.replace("LR_SCHEDULES = ('cosine', 'wsd')", "LR_SCHEDULES = ('cosine', 'wsd', 'linear')")
+    source = source.replace("if lr_schedule not in ('cosine', 'wsd'):",
+                            "if lr_schedule not in ('cosine', 'wsd', 'linear'):")
     branch = "    if lr_schedule == 'cosine':"
     linear = ("    if lr_schedule == 'linear':\n"
               "        return max_lr * (max_steps - it) / (max_steps - warmup_steps)\n")
