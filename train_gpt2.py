@@ -270,8 +270,9 @@ def save_checkpoint(val_loss):
     checkpoint.save({'model': model_state, 'optimizer': optimizer_state, 'config': vars(raw_model.config),
                      'train_config': config, 'step': step, 'val_loss': val_loss, 'evaluated': evaluated,
                      'loader': train_loader.state(), 'rng': checkpoint.rng_state(device),
-                     'bad_steps': bad_steps, 'scaler': scaler.state_dict(),
-                     'logs': checkpoint.log_sizes(log_dir)}, log_dir, keep_checkpoints)
+                     'bad_steps': bad_steps, 'scaler': scaler.state_dict(),  # logs: rank 0's files
+                     'logs': checkpoint.log_sizes(log_dir) if master_process else {}},
+                    log_dir, keep_checkpoints)
 
 
 # -----------------------------------------------------------------------------

@@ -84,7 +84,7 @@ def set_collective_timeout(collective_timeout):
     collective_timeout. The ranks meet first, under the longer timeout, so that none waits under the
     shorter one for a rank still in its first step. Later calls do nothing."""
     global waiting
-    if waiting.startswith('collective_timeout'):
+    if waiting.startswith('collective_timeout'):  # set already, by the last line below: no barrier per step
         return
     if dist.is_initialized():
         dist.barrier()

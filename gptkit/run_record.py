@@ -20,8 +20,7 @@ from gptkit.common import UserError, atomic_write
 
 def device_name(device):
     if device == 'cpu':  # torch's name for the processor, else the platform's
-        return (getattr(torch.cpu, 'get_capabilities', dict)().get('cpu_name') or platform.processor()
-                or platform.machine())
+        return torch.cpu.get_capabilities().get('cpu_name') or platform.processor() or platform.machine()
     return torch.cuda.get_device_name(device) if device.startswith('cuda') else device
 
 

@@ -137,9 +137,10 @@ class ShuffledDocuments:
         # the documents that tokens a and b fall in (in offsets[:-1], where each one starts: the end of
         # the stream falls in the last one)
         i, j = np.searchsorted(self.offsets[:-1], [a, b], side='right') - 1
-        # those documents whole, a slice of the memory map each (not an index per token), then a to b of them
-        docs = [self.tokens[start:start + n] for start, n in zip(self.starts[i:j + 1], self.lengths[i:j + 1])]
-        return np.concatenate(docs)[a - self.offsets[i]:b - self.offsets[i]]
+        # of each, the part from a to b: a slice of the memory map (not an index per token), no more (a
+        # document may be far longer than a batch); s: where it starts in the file, o: in this order
+        return np.concatenate([self.tokens[s + max(a - o, 0):s + min(b - o, n)] for s, n, o in zip(
+            self.starts[i:j + 1], self.lengths[i:j + 1], self.offsets[i:j + 1])])
 
 
 class DataLoaderLite:
