@@ -87,8 +87,11 @@ def test_what_a_fork_cannot_have_runs_as_a_subprocess(tmp_path, monkeypatch):
 WORKER = """import os, signal, sys, time
 handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)]
 name = open('/proc/self/comm').read().strip()
-print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:], sys.stdout.write_through,
-      handlers, name, os.getsid(0) == os.getpid())
+# one write: print writes its arguments and the newline one by one, and unbuffered (python -u) the two
+# ranks' pieces could interleave in the pipe they share
+said = ['rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:], sys.stdout.write_through,
+        handlers, name, os.getsid(0) == os.getpid()]
+sys.stdout.write(' '.join(map(str, said)) + '\\n')
 print('preloaded' if 'torch' in sys.modules else 'fresh', file=sys.stderr)  # a fork starts with torch
 if os.environ['RANK'] == '0':
     open('rank0_said', 'w').close()
