@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptkit import checkpoint, configurator, cpu, hardware, run_record, shards, tokenizer
-from gptkit.parallel import (agree, first_step_timeout, restart_store, set_collective_timeout,
+from gptkit.distributed import (agree, first_step_timeout, restart_store, set_collective_timeout,
                              set_rank_environment)
 from gptkit.common import UserError
 from gptkit.shards import DataLoaderLite

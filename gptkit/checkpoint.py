@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from gptkit import parallel
+from gptkit import distributed
 from gptkit.common import UserError, atomic_write
 
 RESUME_KEYS = ('model', 'optimizer', 'config', 'train_config', 'step', 'evaluated', 'loader', 'rng',
@@ -29,7 +29,7 @@ EXIT_PREEMPTED = 75  # SIGTERM or Ctrl-C: checkpoint written, run the same comma
 
 
 # -----------------------------------------------------------------------------
-# preemption: SIGTERM or Ctrl-C only sets a flag; the ranks agree on it at step boundaries (parallel.agree)
+# preemption: SIGTERM or Ctrl-C only sets a flag; the ranks agree on it at step boundaries (distributed.agree)
 
 stop_requested = ''  # the signal that asked the run to stop: 'SIGTERM' or 'Ctrl-C' ('' for none)
 
@@ -61,10 +61,10 @@ def error_line(error, B):
     if isinstance(error, UserError):
         return f"error: {error}"
     if torch.distributed.is_initialized() and re.search(r'[Tt]imed? ?out', str(error)):
-        limit = parallel.waiting
+        limit = distributed.waiting
         if isinstance(error, torch.distributed.DistStoreError):  # wait_for_all's
-            limit = f'WAIT_FOR_ALL_TIMEOUT={parallel.WAIT_FOR_ALL_TIMEOUT}'
-        return (f"error: rank {parallel.rank()} waited more than {limit} s for the other ranks: one of them "
+            limit = f'WAIT_FOR_ALL_TIMEOUT={distributed.WAIT_FOR_ALL_TIMEOUT}'
+        return (f"error: rank {distributed.rank()} waited more than {limit} s for the other ranks: one of them "
                 f"is stuck or gone; the last checkpoint stands: run the same command again to resume")
     if isinstance(error, torch.OutOfMemoryError) or re.search(r'out of memory|can.t allocate', str(error)):
         from gptkit.memory import out_of_memory  # with B="auto"'s count, when the start made one
@@ -84,12 +84,12 @@ def one_line_errors(micro_batch):
         line = error_line(error, micro_batch())
         if line is None:
             sys.__excepthook__(kind, error, tb)
-        elif not (isinstance(error, UserError) and torch.distributed.is_initialized() and parallel.rank()):
+        elif not (isinstance(error, UserError) and torch.distributed.is_initialized() and distributed.rank()):
             # before the teardown, which a gone rank can hold up; to sys.__stderr__, as the hook that
             # init_process_group puts around this one writes "[rankN]: " before what goes to sys.stderr
             print(line, file=sys.__stderr__, flush=True)
     sys.excepthook = excepthook
-    atexit.register(lambda: parallel.end_process_group(finished=not _failed))
+    atexit.register(lambda: distributed.end_process_group(finished=not _failed))
 
 
 # -----------------------------------------------------------------------------
@@ -191,7 +191,7 @@ def find_checkpoint(log_dir, resume):
     Rank 0 lists log_dir, chooses and validates it (pick_checkpoint); the others follow its verdict and
     read the same file (log_dir must be on a filesystem they share). resume="never" refuses a log_dir
     that holds checkpoints."""
-    rank, path, ckpt, error = parallel.rank(), None, None, ''
+    rank, path, ckpt, error = distributed.rank(), None, None, ''
     if rank == 0 and (found := list_checkpoints(log_dir)):  # (a fresh log_dir: nothing to choose)
         if resume == 'never':
             error = (f"{log_dir!r} holds checkpoints of an earlier run ({found[0][1]}) and resume='never': "
@@ -201,14 +201,14 @@ def find_checkpoint(log_dir, resume):
                 _, path, ckpt = pick_checkpoint(log_dir)
             except UserError as e:
                 error = str(e)
-    path, error = parallel.gather_objects((path, error))[0]  # rank 0's verdict: its file, or its error
+    path, error = distributed.gather_objects((path, error))[0]  # rank 0's verdict: its file, or its error
     if rank > 0 and path is not None:
         try:
             ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
         except Exception as e:  # not there, or unreadable here: this rank's line, then every rank stops
             error = f"rank {rank} cannot read {path}: {type(e).__name__}: {e}"
             print(f"error: {error}", file=sys.stderr)
-    if parallel.agree(bool(error)):
+    if distributed.agree(bool(error)):
         raise UserError(error or f"another rank could not read {path}: log_dir must be on a filesystem "
                                  f"that every node sees")
     return path, ckpt
@@ -238,7 +238,7 @@ def check_replicas(model, step):
     weights only at the start, so replicas stay equal only while every rank computes the same bits
     (not so across GPU models or library versions). One checksum per rank, gathered; a UserError
     names the ranks that differ. (Under FSDP the ranks hold different shards: nothing to compare.)"""
-    sums = parallel.gather_objects(checksum(list(model.parameters())))
+    sums = distributed.gather_objects(checksum(list(model.parameters())))
     if differ := [str(r) for r, s in enumerate(sums) if s != sums[0]]:
         ranks = f"rank{'s' * (len(differ) > 1)} {', '.join(differ)}"
         raise UserError(f"step {step}: the weights of {ranks} differ from rank 0's: DDP keeps replicas "
@@ -253,7 +253,7 @@ def save(ckpt, log_dir, keep_checkpoints):
     keep_checkpoints. Every rank calls it and learns whether it worked: a failed write (a full disk)
     stops the run, the earlier checkpoints untouched."""
     error = None
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         # A copy of ckpt with its tensors on the host. They all start for the host at once, where
         # torch.save would wait for each in turn: from a GPU each copy goes into pinned memory without the
         # host waiting; they are done once the host next reads the device, as its stream runs in order.
@@ -283,8 +283,8 @@ def save(ckpt, log_dir, keep_checkpoints):
         else:
             for _, old in list_checkpoints(log_dir)[keep_checkpoints:] if keep_checkpoints > 0 else []:
                 os.remove(old)  # only now that a newer one is complete
-    parallel.wait_for_all()  # however long rank 0 took to write: the next collective is bounded again
-    if parallel.agree(error is not None):
+    distributed.wait_for_all()  # however long rank 0 took to write: the next collective is bounded again
+    if distributed.agree(error is not None):
         raise UserError(error or "rank 0 could not write a checkpoint")
 
 # -----------------------------------------------------------------------------
@@ -307,7 +307,7 @@ def resumed_model_config(ckpt, path, config):
                         f"into the same model shape; set them back, or point log_dir elsewhere to start "
                         f"afresh")
     changed = [f"{k} {old[k]!r} -> {v!r}" for k, v in config.items() if old.get(k, v) != v]
-    if parallel.rank() == 0 and changed:
+    if distributed.rank() == 0 and changed:
         print(f"resuming with changed settings: {', '.join(changed)}")
     return GPTConfig.from_dict(have)
 
@@ -348,9 +348,9 @@ _lock = None  # rank 0's (open and locked run.lock, the folders that taking it m
 def claim_log_dir(log_dir):
     """Every rank, before log_dir is read: rank 0 takes log_dir/run.lock (lock_log_dir); a UserError on
     every rank when another run holds it."""
-    busy = lock_log_dir(log_dir) if parallel.rank() == 0 else ''
+    busy = lock_log_dir(log_dir) if distributed.rank() == 0 else ''
     atexit.register(release_log_dir)  # however the run ends
-    if parallel.agree(bool(busy)):
+    if distributed.agree(bool(busy)):
         raise UserError(busy or f"log_dir={log_dir} is in use by another run")
 
 

@@ -92,13 +92,13 @@ def resolve_dtype(dtype, device):
 def choose_precision(config, device):
     """The config with dtype and compile made concrete for this device ("auto"), the same on every
     rank; rank 0 says what it chose and why."""
-    from gptkit import parallel  # the trainer's path only: the tools need none of DDP's and FSDP's imports
+    from gptkit import distributed  # the trainer's path only: the tools need none of DDP's and FSDP's imports
     dtype, why = resolve_dtype(config['dtype'], device)
-    least = PRECISIONS[parallel.agree(PRECISIONS.index(dtype), 'min')]  # every rank must compute alike
+    least = PRECISIONS[distributed.min_over_ranks(PRECISIONS.index(dtype))]  # every rank must compute alike
     if least != dtype:
         dtype = least
         why = 'auto: the choice of a rank whose hardware has less'
-    if parallel.rank() == 0:
+    if distributed.rank() == 0:
         print(f"precision: {dtype} ({why}){', with loss scaling' if dtype == 'float16' else ''}")
         if dtype == 'bfloat16' and device.startswith('cpu') and not cpu_has_bf16():
             print("warning: this CPU has no bf16 units: bfloat16 is emulated, ~100x slower than float32 "

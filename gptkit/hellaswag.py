@@ -174,7 +174,7 @@ def load_for_training(file, model, batch_examples, device, one_shape=False):
     downloaded split), prepared and on the device once for the whole run. A run that cannot score
     them stops here, before its first step, with one line (a UserError on every rank): HellaSwag is
     never silently off."""
-    from gptkit import parallel  # the trainer's path only: `python hellaswag.py` needs no process group
+    from gptkit import distributed  # the trainer's path only: `python hellaswag.py` needs no process group
     examples, why = None, None
     if model.config.vocab_size < N_VOCAB:
         why = f"vocab_size={model.config.vocab_size} is smaller than GPT-2's {N_VOCAB}"
@@ -188,13 +188,13 @@ def load_for_training(file, model, batch_examples, device, one_shape=False):
                     download('val')  # nothing to do once cached
                 except UserError as e:
                     why = str(e)
-            parallel.agree(0)  # each node's download first, however long (within the first step's timeout)
+            distributed.barrier()  # each node's download first, however long (within the first step's timeout)
         examples = list(iterate_examples(file=path)) if os.path.isfile(path) else None  # bad data: UserError
         if examples == []:  # every rank reads the same file: all stop here, before step 0
             raise UserError(f"{path}: no HellaSwag examples in it")
-    if not parallel.agree(examples is not None, 'min'):  # e.g. a node without the file: every rank stops
+    if not distributed.min_over_ranks(examples is not None):  # e.g. a node without the file: every rank stops
         why = why or (f"{path} not found" if examples is None else "not on every node")
         raise UserError(f"no HellaSwag eval: {why}; pass --hellaswag_file=PATH "
                         f"(a HellaSwag val jsonl file) or --hellaswag=False")
-    return prepare(examples, model.config.block_size, device, batch_examples, parallel.rank(),
-                   parallel.world_size(), one_shape)
+    return prepare(examples, model.config.block_size, device, batch_examples, distributed.rank(),
+                   distributed.world_size(), one_shape)

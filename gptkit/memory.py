@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from gptkit.parallel import agree
+from gptkit.distributed import min_over_ranks
 
 HEADROOM = 0.9  # of the free memory: fragmentation and every rank's own extras
 OVERHEAD = {'cuda': 2.5e9, 'mps': 1.0e9, 'cpu': 0.3e9}  # bytes; H200, 124M, B=64: 2.2 GB past the count
@@ -134,7 +134,7 @@ def micro_batch(c, model_config, device, world=1, free=None):
         return B, None
     fits = fitting_B()
     mine = fits or 1
-    B = agree(mine, "min")  # the rank with the least memory decides
+    B = min_over_ranks(mine)  # the rank with the least memory decides
     more = min((b for b in plan['divisors'] if b > B), default=None)
     line = (f"B={B} (auto): {need(B) / 1e9:.1f} GB needed of {free / 1e9:.1f} GB free on {device} "
             f"({total / 1e9:.1f} GB)")
@@ -165,7 +165,7 @@ def fitting_B():
 
 
 def out_of_memory(B):
-    """The one line for the device out of memory at micro-batch B (gptkit/parallel.py prints it)."""
+    """The one line for the device out of memory at micro-batch B (gptkit/distributed.py prints it)."""
     if not plan:  # B is a number: nothing was counted
         return (f"error: out of memory at B={B} on the device: lower B, or free the device's memory "
                 f"(the last checkpoint stands)")

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from gptkit import parallel
+from gptkit import distributed
 
 
 def orthogonalize(g, coefficients, steps, eps):
@@ -97,13 +97,13 @@ class MuonAdamW(torch.optim.Optimizer):
         sizes = [p.numel() for p, _ in todo]
         flat = torch.zeros(sum(sizes), dtype=torch.bfloat16, device=device)
         updates = flat.split(sizes)
-        owners = deal(tuple(p.shape for p, _ in todo), parallel.world_size())
+        owners = deal(tuple(p.shape for p, _ in todo), distributed.world_size())
         for i, (p, group) in enumerate(todo):
             update = self._momentum(p, group, keep)  # every rank keeps every buffer: checkpoints as before
-            if owners[i] == parallel.rank():  # this rank's share of the FLOPs
+            if owners[i] == distributed.rank():  # this rank's share of the FLOPs
                 update = orthogonalize(update, group['ns_coefficients'], group['ns_steps'], group['eps'])
                 updates[i].copy_(update.flatten())
-        parallel.sum_over_ranks(flat)  # each update is one rank's, zeros elsewhere: their sum is it, exactly
+        distributed.sum_over_ranks(flat)  # each update is one rank's, zeros elsewhere: their sum is it, exactly
         for (p, group), update in zip(todo, updates):
             rows, cols = p.shape[:2]  # how torch.optim.Muon scales lr for a matrix of this shape:
             if group['adjust_lr_fn'] == 'match_rms_adamw':  # the update's RMS as AdamW's, so lr carries over

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from gptkit import parallel, shards
+from gptkit import distributed, shards
 from gptkit.common import UserError, atomic_write
 
 
@@ -27,8 +27,8 @@ def device_name(device):
 def write(log_dir, config, start, resumed_from, device):
     """Append this start's entry to log_dir/run.json (rank 0 writes; every rank must call it:
     the hosts and devices are gathered from all)."""
-    hosts, devices = zip(*parallel.gather_objects((platform.node(), f"{device}: {device_name(device)}")))
-    if parallel.rank() == 0:  # it writes
+    hosts, devices = zip(*distributed.gather_objects((platform.node(), f"{device}: {device_name(device)}")))
+    if distributed.rank() == 0:  # it writes
         # the code's checkout: `git describe` with no tag to name is the commit's hash, with '-dirty' after
         # it when a tracked file differs from it
         try:

@@ -2,7 +2,7 @@
 user runs (and the model), gptkit/ the machinery it imports; functions take few arguments;
 train_gpt2.py is one flat script, as nanoGPT's train.py (no globals, three small helpers, no main),
 which nothing imports; no import cycle between the project's modules; collectives live in
-gptkit/parallel.py and gptkit/fsdp.py (and the trainer's own, in the open); one user-error class;
+gptkit/distributed.py and gptkit/fsdp.py (and the trainer's own, in the open); one user-error class;
 GPT-2's vocabulary size written once."""
 import ast
 import glob
@@ -24,7 +24,7 @@ TESTS = sorted(glob.glob(os.path.join(ROOT, "tests", "*.py")))
 
 
 def name(path):
-    """path as the project names it: train_gpt2.py, gptkit/parallel.py."""
+    """path as the project names it: train_gpt2.py, gptkit/distributed.py."""
     return os.path.relpath(path, ROOT)
 
 
@@ -92,7 +92,7 @@ def test_the_trainer_is_one_flat_script():
 
 
 def module_name(path):
-    """path as Python imports it: train_gpt2, gptkit.parallel."""
+    """path as Python imports it: train_gpt2, gptkit.distributed."""
     return name(path)[:-len(".py")].replace(os.sep, ".")
 
 
@@ -105,7 +105,7 @@ def project_imports(path, modules):
         elif isinstance(n, ast.ImportFrom):  # from . import x (relative): from path's package
             base = ".".join(module_name(path).split(".")[:-n.level] + [n.module or ""]).strip(".")
             base = base if n.level else n.module
-            found |= {base} | {f"{base}.{a.name}" for a in n.names}  # from gptkit import parallel: a module
+            found |= {base} | {f"{base}.{a.name}" for a in n.names}  # from gptkit import distributed: a module
     return found & modules
 
 
@@ -139,7 +139,7 @@ def test_no_import_cycle():
     graph = {module_name(p): project_imports(p, modules) - {module_name(p)} for p in PROJECT}
     # the walk sees what it must: top-level and in-function imports, `from gptkit import x` as module x
     assert {"gptkit.checkpoint", "model"} <= graph["train_gpt2"], graph["train_gpt2"]
-    assert {"gptkit.parallel", "gptkit.memory"} <= graph["gptkit.checkpoint"], graph["gptkit.checkpoint"]
+    assert {"gptkit.distributed", "gptkit.memory"} <= graph["gptkit.checkpoint"], graph["gptkit.checkpoint"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
@@ -149,7 +149,7 @@ def test_collectives_only_in_parallel_fsdp_and_the_trainer():
     # a call, or a reference (dist.all_reduce passed on), by any of the names torch.distributed goes by
     collective = re.compile(rf"\b(dist|torch\.distributed|c10d)\.({names})\b|\.full_tensor\(|"
                             rf"^\s*from torch\.distributed(\.distributed_c10d)? import .*\b({names})\b")
-    allowed = ("gptkit/parallel.py", "gptkit/fsdp.py", "train_gpt2.py")
+    allowed = ("gptkit/distributed.py", "gptkit/fsdp.py", "train_gpt2.py")
     found = [f"{name(p)}:{i}" for p in PROJECT if name(p) not in allowed
              for i, line in enumerate(open(p), 1) if collective.search(line)]
     assert not found, found
@@ -171,7 +171,7 @@ TORCH_FLOOR = [
     ("torch.optim.Muon with adjust_lr_fn (optimizer='muon')", (2, 9),
      lambda: "adjust_lr_fn" in inspect.signature(torch.optim.Muon).parameters),
     ("FSDP2's fully_shard, public (parallel='fsdp')", (2, 9), lambda: torch.distributed.fsdp.fully_shard),
-    ("the process group's store and timeout (parallel.wait_for_all, set_collective_timeout)", (2, 9),
+    ("the process group's store and timeout (distributed.wait_for_all, set_collective_timeout)", (2, 9),
      lambda: all(hasattr(dist.distributed_c10d, f) for f in STORE) and dist.DistStoreError),
     ("torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT (scripts/slurm_train.sh; pytorch PR #172596)", (2, 12),
      lambda: "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in inspect.getsource(torch.distributed.launcher.api)),

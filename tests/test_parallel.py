@@ -305,16 +305,16 @@ def test_the_group_is_made_with_nccls_flight_recorder_and_a_share_of_the_cpus(tm
 
 def test_the_process_group_waits_for_the_first_step_longer_than_collective_timeout(tmp_path, monkeypatch):
     """Issue 36.4 (was 27.5, 21.12): the process group's collectives wait up to
-    parallel.FIRST_STEP_TIMEOUT (at least collective_timeout) until the first training step is done,
+    distributed.FIRST_STEP_TIMEOUT (at least collective_timeout) until the first training step is done,
     as ranks compile at their own pace; then, once the ranks have met, collective_timeout. Each limit
     is named in the one line of a rank that gave up, and so is wait_for_all's (issue 36.3), which
     waits in the process group's store: no second process group. test_step.py runs them on real
     processes."""
     from datetime import timedelta
     from gptkit import checkpoint, parallel
-    assert parallel.FIRST_STEP_TIMEOUT >= 3600 and parallel.WAIT_FOR_ALL_TIMEOUT >= 3600  # hours
+    assert distributed.FIRST_STEP_TIMEOUT >= 3600 and distributed.WAIT_FOR_ALL_TIMEOUT >= 3600  # hours
     (tmp_path / "init.py").write_text(INIT_PROBE.format(root=ROOT))
-    for timeout, waits in ((42, parallel.FIRST_STEP_TIMEOUT), (10 ** 5, 10 ** 5)):
+    for timeout, waits in ((42, distributed.FIRST_STEP_TIMEOUT), (10 ** 5, 10 ** 5)):
         r = run_script(["--device=cpu", f"--collective_timeout={timeout}", f"--log_dir={tmp_path / 'log'}"],
                        script=str(tmp_path / "init.py"), PYTHONPATH=ROOT, RANK="0", LOCAL_RANK="0",
                        WORLD_SIZE="2")
@@ -324,32 +324,32 @@ def test_the_process_group_waits_for_the_first_step_longer_than_collective_timeo
     # once the first step is done (the trainer calls set_collective_timeout): the ranks meet, then the
     # group's own timeout is lowered
     calls = []
-    monkeypatch.setattr(parallel, "waiting", parallel.waiting)  # what the limit is called now: restored after
+    monkeypatch.setattr(parallel, "waiting", distributed.waiting)  # what the limit is called now: restored after
     monkeypatch.setattr(parallel.dist, "new_group", lambda **kw: calls.append(("new_group", kw)))
     monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(parallel.dist, "get_rank", lambda *a: 0)
     monkeypatch.setattr(parallel.dist, "barrier", lambda: calls.append(("barrier",)))
     monkeypatch.setattr(parallel.dist.distributed_c10d, "_set_pg_timeout", lambda t: calls.append(("set", t)))
-    parallel.set_collective_timeout(42)
+    distributed.set_collective_timeout(42)
     assert calls == [("barrier",), ("set", timedelta(seconds=42))]  # no new group; the ranks met first
     stuck = RuntimeError("Timed out waiting 42000ms for recv operation to complete")
     assert checkpoint.error_line(stuck, 64) == STUCK.format("collective_timeout=42")
     alone = parallel.dist.DistStoreError("wait timeout after 7200000ms, keys: /default_pg/0//wait_for_all/3")
-    limit = f"WAIT_FOR_ALL_TIMEOUT={parallel.WAIT_FOR_ALL_TIMEOUT}"
+    limit = f"WAIT_FOR_ALL_TIMEOUT={distributed.WAIT_FOR_ALL_TIMEOUT}"
     assert checkpoint.error_line(alone, 64) == STUCK.format(limit)
 
 
 FAKE_HUB = """
 import os, runpy, sys, time, torch, transformers
-from gptkit import parallel
-arrivals, agree, calls = os.path.join(os.environ['HF_CACHE'], 'arrivals_1'), parallel.agree, [0]
+from gptkit import distributed
+arrivals, agree, calls = os.path.join(os.environ['HF_CACHE'], 'arrivals_1'), distributed.agree, [0]
 def arriving(*a, **k):  # each decision taken with the others: rank 1 marks the moment it arrives
     calls[0] += 1
     if os.environ['RANK'] == '1':
         with open(arrivals, 'a') as f:
             f.write('arrived\\n')
     return agree(*a, **k)
-parallel.agree = arriving
+distributed.agree = arriving
 def from_pretrained(name, *a, **k):  # the HF hub, offline: a download into the cache (one line), or a read
     cached = os.path.join(os.environ['HF_CACHE'], name)
     if not os.path.exists(cached):

@@ -38,7 +38,7 @@ SEAMS = """
 import os, runpy, sys, time
 import torch
 import model
-from gptkit import checkpoint, parallel, shards
+from gptkit import checkpoint, distributed, shards
 rank = int(os.environ.get('RANK', 0))
 run, begun, stepping = {}, [0], []  # the raw model and the optimizer; the training steps begun; in one
 
@@ -286,7 +286,7 @@ def test_the_training_graph_is_compiled_once_with_static_shapes(data, tmp_path):
 FAULTS = wrapper("""
 env = lambda k: int(os.environ.get(k, -1))
 if env('WAIT_FOR_ALL_S') > 0:  # wait_for_all's bound in seconds, not hours
-    parallel.WAIT_FOR_ALL_TIMEOUT = env('WAIT_FOR_ALL_S')
+    distributed.WAIT_FOR_ALL_TIMEOUT = env('WAIT_FOR_ALL_S')
 
 
 def cold_start():  # this rank's first eval and first step as a cold compile cache makes them
@@ -419,7 +419,7 @@ def test_a_stuck_rank_ends_the_run_after_collective_timeout(waits):
 @waiting
 def test_rank_0_writing_checkpoints_slower_than_the_timeout_is_not_stuck(waits):
     """The checkpoint of step 8 takes rank 0 40 s to write, twice collective_timeout=20 s: the
-    others wait for it (parallel.wait_for_all) and the run ends normally, its log whole. (Waiting in
+    others wait for it (distributed.wait_for_all) and the run ends normally, its log whole. (Waiting in
     a collective instead, they would give up 20 s before the write ends.)"""
     log, r = waits["slow_write"]
     assert r.returncode == 0, r.stderr[-3000:]
@@ -431,7 +431,7 @@ def test_rank_0_writing_checkpoints_slower_than_the_timeout_is_not_stuck(waits):
 @waiting
 def test_rank_0_hung_in_a_checkpoint_write_ends_the_run_after_wait_for_all_timeout(waits):
     """Issue 36.3: rank 0's write of the last checkpoint (step 12) hangs, as on a hung NFS server:
-    rank 1 waits for it through the process group's store up to parallel.WAIT_FOR_ALL_TIMEOUT
+    rank 1 waits for it through the process group's store up to distributed.WAIT_FOR_ALL_TIMEOUT
     (hours; 20 s here), then ends the run with one line naming that bound, exit 1; the checkpoint
     of step 8 stands, whole, for the next start. (Before: a gloo barrier that waited 7 days.)"""
     from gptkit import checkpoint
@@ -447,7 +447,7 @@ def test_rank_0_hung_in_a_checkpoint_write_ends_the_run_after_wait_for_all_timeo
 def test_a_rank_slow_in_its_first_eval_and_step_does_not_end_the_run(waits):
     """Issue 36.4: rank 1 takes 12.5 s longer than rank 0 in its first eval and again in its first
     step, as a cold compile cache on one node makes them: 2.5 x collective_timeout=10 s in all, each
-    delay past it. Until the first step is done the ranks wait up to parallel.FIRST_STEP_TIMEOUT,
+    delay past it. Until the first step is done the ranks wait up to distributed.FIRST_STEP_TIMEOUT,
     then collective_timeout; the run ends as one without the delay does, with the same losses."""
     (plain_log, plain), (slow_log, r) = waits["plain"], waits["slow_first"]
     assert plain.returncode == 0, plain.stderr[-3000:]

@@ -1,0 +1,131 @@
+"""
+What talks across processes, beside what train_gpt2.py does in the open (the process group, the DDP
+wrapper, the gradient-sync flag and the all-reduces of the loss and HellaSwag): decisions every rank
+takes together, the store a torchrun restart meets in, and the two timeouts. FSDP: gptkit/fsdp.py.
+Nothing here holds state: the run's own (which timeout is in force) is gptkit/run.py's. docs/ddp.md.
+"""
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# Hours that no healthy first compile or checkpoint write takes, and a hang does: the run then ends,
+# and a requeue can restart it.
+FIRST_STEP_TIMEOUT = 3600  # seconds every collective waits until the first step and evals are done
+WAIT_FOR_ALL_TIMEOUT = 2 * 3600  # seconds the others wait for rank 0's work alone (wait_for_all)
+
+
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _reduce(value, op):
+    if world_size() == 1:
+        return value
+    t = torch.tensor(int(value), device='cuda' if dist.get_backend() == 'nccl' else 'cpu')  # NCCL: GPUs only
+    dist.all_reduce(t, op=op)
+    return type(value)(t.item())
+
+
+def max_over_ranks(value):
+    """The largest value (a bool or an int) of all ranks: a flag True on any rank is True on all."""
+    return _reduce(value, dist.ReduceOp.MAX)
+
+
+def min_over_ranks(value):
+    """The smallest value of all ranks: a flag is True only if it is True on every rank."""
+    return _reduce(value, dist.ReduceOp.MIN)
+
+
+def sum_over_ranks(t):
+    """t summed over all ranks, in place (one process: t as it is)."""
+    if world_size() > 1:
+        dist.all_reduce(t)
+
+
+def barrier():
+    if world_size() > 1:
+        dist.barrier()
+
+
+def gather_objects(obj):
+    """[obj of rank 0, of rank 1, ...] on every rank (small picklable objects: names, hosts)."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def restart_store():
+    """The store for init_process_group under torchrun: None (torchrun's own), or on one node a
+    fresh key space per restart attempt: torchrun's agent store outlives a worker group, and a
+    restarted group would read the dead group's keys (a refused connect, or a hang)."""
+    env = os.environ
+    if env.get('TORCHELASTIC_USE_AGENT_STORE') == 'True' and int(env.get('GROUP_WORLD_SIZE', 1)) == 1:
+        # one node's agent counts the attempts: its store, seen through this attempt's prefix
+        store = dist.TCPStore(env['MASTER_ADDR'], int(env['MASTER_PORT']), int(env['WORLD_SIZE']),
+                              is_master=False, timeout=timedelta(minutes=10))
+        return dist.PrefixStore(f"train_gpt2/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
+    if (env.get('TORCHELASTIC_USE_AGENT_STORE') == 'True' and int(env['RANK']) == 0
+            and int(env.get('TORCHELASTIC_MAX_RESTARTS', 0)) > 0):  # several nodes count apart
+        print("warning: restarts on several nodes: a restarted worker group can read the dead group's keys "
+              "in torchrun's shared store; launch torchrun with --rdzv-backend=c10d and "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so that each group meets in a new store "
+              "(see docs/resume.md)")
+    return None
+
+
+def set_rank_environment(log_dir):
+    """Under torchrun, before the process group is made, what the user has not set: NCCL's flight
+    recorder, dumped into log_dir/nccl_trace_rank_N when a collective times out (docs/ddp.md, 10),
+    and inductor's compile workers, the CPUs of this process shared among the ranks of its node."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+    # keyed by the names the user may have set each under: torch still reads the older ones (second)
+    defaults = {('TORCH_NCCL_DUMP_ON_TIMEOUT',): '1',
+                ('TORCH_FR_BUFFER_SIZE', 'TORCH_NCCL_TRACE_BUFFER_SIZE'): '2000',
+                ('TORCH_FR_DUMP_TEMP_FILE', 'TORCH_NCCL_DEBUG_INFO_TEMP_FILE'):
+                    os.path.join(os.path.abspath(log_dir), 'nccl_trace_rank_'),
+                ('TORCHINDUCTOR_COMPILE_THREADS',):
+                    str(max(1, cpus // int(os.environ.get('LOCAL_WORLD_SIZE', 1))))}
+    os.environ.update({names[0]: value for names, value in defaults.items()
+                       if not any(name in os.environ for name in names)})
+
+
+def set_collective_timeout(seconds):
+    """From here every collective gives up after seconds. The ranks meet first, under the longer
+    timeout, so that none waits under the shorter one for a rank still compiling."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
+def wait_for_all():
+    """A barrier after rank 0 has worked alone (a checkpoint write, the end of the run), for up to
+    WAIT_FOR_ALL_TIMEOUT, however short collective_timeout is. It meets in the process group's store:
+    the store counts each rank's calls, and each call waits for every rank's key of its number."""
+    if world_size() == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    n = store.add(f'wait_for_all/calls/{rank()}', 1)
+    store.set(f'wait_for_all/{n}/{rank()}', '')
+    store.wait([f'wait_for_all/{n}/{r}' for r in range(world_size())], timedelta(seconds=WAIT_FOR_ALL_TIMEOUT))
+
+
+def end_process_group(finished):
+    """Leave the process group (at exit). finished: the run got to its end or stopped on a signal,
+    so every rank waits for the others first: none tears down while rank 0 still writes."""
+    if not dist.is_initialized():
+        return
+    try:
+        if finished:
+            wait_for_all()
+    finally:
+        import gc
+        gc.collect()  # FSDP's sharded tensors hold gloo work: free them while Python is whole
+        dist.destroy_process_group()
