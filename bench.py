@@ -41,7 +41,7 @@ from gptkit.configurator import accumulation_steps, parse_config, trainer_defaul
 from gptkit.common import UserError
 from gptkit.hardware import autocast, choose_precision, cpu_has_bf16, matmul_flops, pick_device, sync
 from gptkit.shards import DataLoaderLite
-from gptkit.run_record import device_name
+from gptkit.run import device_name
 from model import GPT, GPTConfig, flops_per_token
 from gptkit.tokenizer import EOT, N_VOCAB
 
@@ -161,22 +161,22 @@ def time_baseline(c):
 # line; with BENCH_PROFILE set, the step after the warmup (BENCH_PROFILE steps) under torch.profiler.
 OURS = r"""
 import json, os, resource, runpy, sys, torch
-from gptkit import run_record
+from gptkit.run import Run
 sys.argv = ['train_gpt2.py', *sys.argv[1:]]
 warmup, prof = int(os.environ.get('BENCH_PROFILE', -1)), None
 if warmup >= 0 and torch.cuda.is_available():
     import bench
     from torch.profiler import ProfilerActivity, profile
-    log, steps, prof = run_record.log, [], profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    def counting(log_dir, line):  # rank 0 logs each step's train loss once its step is done
+    log, steps, prof = Run.log, [], profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    def counting(run, line):  # rank 0 logs each step's train loss once its step is done
         steps.append(line) if ' train ' in line else None
         if len(steps) == warmup and ' train ' in line:
             prof.start()
         if len(steps) == warmup + 1 and ' train ' in line:
             torch.cuda.synchronize()
             prof.stop()
-        log(log_dir, line)
-    run_record.log = counting
+        log(run, line)
+    Run.log = counting
 runpy.run_path('train_gpt2.py', run_name='__main__')
 if prof is not None:
     bench.print_profile(prof)

@@ -17,8 +17,23 @@ import tempfile
 
 from gptkit.common import UserError
 from gptkit.loading import read_checkpoint_weights
-from model import HF_MASK_BUFFERS, to_hf_state_dict
+from model import HF_CONV1D_WEIGHTS, HF_MASK_BUFFERS
 from gptkit.tokenizer import EOT, N_VOCAB, local_gpt2_folder
+
+
+def to_hf_state_dict(state, vocab_size):
+    """Our state dict as HF GPT2LMHeadModel's: float32, Conv1D transposed, no padded vocab rows."""
+    out = {}
+    for k, v in state.items():
+        if k == 'lm_head.weight':
+            continue
+        v = v.float()
+        if k.endswith(HF_CONV1D_WEIGHTS):
+            v = v.t()
+        if k == 'transformer.wte.weight':
+            v = v[:vocab_size]
+        out[k] = v.contiguous()
+    return out
 
 
 def save_tokenizer(out_dir, max_length):

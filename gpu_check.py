@@ -33,13 +33,13 @@ import numpy as np
 import torch
 
 import hellaswag
-from gptkit import hellaswag as scoring
+from gptkit import hellaswag_eval as scoring
 from bench import print_flops, run_python, seconds, synthetic_shard
 from gptkit import memory
 from gptkit.configurator import parse_config, trainer_defaults
 from gptkit.common import UserError
 from gptkit.hardware import autocast, choose_precision, pick_device
-from gptkit.run_record import device_name
+from gptkit.run import device_name
 from gptkit.shards import val_batches
 from model import GPT, GPTConfig
 from gptkit.tokenizer import N_VOCAB

@@ -1,6 +1,6 @@
 """
 HellaSwag, the tool: a model's acc and acc_norm on HellaSwag, whole process, as build-nanogpt's
-hellaswag.py measures them (the scoring, batched, lives in gptkit/hellaswag.py; the trainer's evals
+hellaswag.py measures them (the scoring, batched, lives in gptkit/hellaswag_eval.py; the trainer's evals
 call it too). Also made-up examples in HellaSwag's format, for benchmarks and checks.
 
     python hellaswag.py --model gpt2                # OpenAI GPT-2 124M (HF): acc 0.2859 acc_norm 0.2955
@@ -11,7 +11,7 @@ import json
 
 from gptkit.common import UserError
 from gptkit.hardware import pick_device
-from gptkit.hellaswag import evaluate, iterate_examples, prepare
+from gptkit.hellaswag_eval import evaluate, iterate_examples, prepare
 
 
 def synthetic_examples(n, seed=0):

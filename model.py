@@ -1,12 +1,9 @@
-"""
-GPT-2 in one file: the model, its init, optimizer groups, OpenAI/HF weights in and out, the tools'
-checkpoint reader, generation. Parameter names follow OpenAI/HF GPT-2 (transformer.wte,
-transformer.h.N.attn.c_attn, ...), so weights move between this model and HF's GPT2LMHeadModel
-with only the Conv1D transposes.
-"""
+"""GPT-2 in one file: the model, its init and optimizer, OpenAI/HF weights in and out, generation.
+Parameter names are HF's (transformer.h.N.attn.c_attn, ...): weights move with Conv1D transposes."""
 import json
 import os
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -29,35 +26,40 @@ class GPTConfig:
     n_embd: int = 768
 
     @classmethod
-    def from_dict(cls, d):
-        """The shape from a dict that holds these five keys, and maybe more: a checkpoint's
-        'config', or the trainer's whole config."""
+    def from_dict(cls, d):  # a checkpoint's 'config', or the trainer's whole config
         return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a block needs from the forward that calls it, besides x: one per block and call."""
+    kv_cache: torch.Tensor = None  # (2, B, nh, start_pos + T, hs): keys and values so far, x's last
+    mask: torch.Tensor = None  # which keys each query sees (True); None: causal over these T tokens
+    drop: Callable = lambda y, j: y  # dropout of the block's residual branch j (GPT.drop)
 
 
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        assert config.n_embd % config.n_head == 0, \
-            f"n_embd={config.n_embd} must be divisible by n_head={config.n_head}"
+        assert config.n_embd % config.n_head == 0
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True  # writes into the residual stream: init scaled down
         self.n_head = config.n_head
         self.n_embd = config.n_embd
 
-    def forward(self, x, mask=None, kv_cache=None, start_pos=0):
+    def forward(self, x, ctx=Context()):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        if kv_cache is not None:  # (2, B, nh, >= start_pos + T, hs), filled up to start_pos
-            kv_cache[:, :, :, start_pos:start_pos + T] = torch.stack((k, v))
-            k, v = kv_cache[:, :, :, :start_pos + T]  # every key and value so far
-        # mask: which keys each query sees (True); None: plain causal attention over these T tokens
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, nh, T, hs)
+        if ctx.kv_cache is not None:
+            ctx.kv_cache[:, :, :, -T:] = torch.stack((k, v))  # x's, after the cached ones
+            k, v = ctx.kv_cache  # every key and value so far
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask,
+                                           is_causal=ctx.mask is None)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
         return self.c_proj(y)
 
@@ -84,19 +86,17 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, mask=None, kv_cache=None, start_pos=0, drop=lambda y, j: y):
-        # drop(y, j): dropout of residual branch j's output in training (GPT.drop); by default, none
-        x = x + drop(self.attn(self.ln_1(x), mask, kv_cache, start_pos), 0)
-        x = x + drop(self.mlp(self.ln_2(x)), 1)
+    def forward(self, x, ctx=Context()):
+        x = x + ctx.drop(self.attn(self.ln_1(x), ctx), 0)
+        x = x + ctx.drop(self.mlp(self.ln_2(x)), 1)
         return x
 
 
 def hash32(x):
-    """A hash of each value of an int64 tensor (its low 32 bits), into [0, 2**32): the same bits on
-    every device, eager or compiled (no product reaches 2**63)."""
+    # each int64's low 32 bits hashed into [0, 2**32): the same bits on any device, eager or compiled
     x = x & 0xFFFFFFFF
     for _ in range(2):
-        x = (x ^ (x >> 16)) * 0x45D9F3B & 0xFFFFFFFF
+        x = (x ^ (x >> 16)) * 0x45D9F3B & 0xFFFFFFFF  # no product reaches 2**63
     return x ^ (x >> 16)
 
 
@@ -118,7 +118,6 @@ class GPT(nn.Module):
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
-            # the layers that write into the residual stream: scaled down for its two additions per layer
             std = 0.02 * (2 * self.config.n_layer) ** -0.5 if hasattr(module, 'RESIDUAL_SCALE_INIT') else 0.02
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
@@ -127,11 +126,8 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def drop(self, x, keys, site):
-        """x (B, ...) with a fraction self.dropout of its values zeroed and the rest scaled up, in
-        training. Sequence b's mask is a function of keys[b] (int64) and the site alone: the same
-        whatever else the batch holds, on any device, eager or compiled (the trainer's keys: the
-        seed, the step and the sequence's place in it; without keys, torch's generator draws them).
-        Attention weights are not dropped: SDPA draws their masks from the batch as a whole."""
+        """Dropout of x (B, ...) in training: sequence b's mask depends on keys[b] (int64) and site alone,
+        so on any number of devices (no keys: drawn). Not of attention: SDPA's masks are batch-wide."""
         if not self.training or self.dropout == 0:
             return x
         if keys is None:
@@ -143,11 +139,8 @@ class GPT(nn.Module):
         return x * keep / (1 - self.dropout)
 
     def hidden_states(self, idx, kv_cache=None, start_pos=0, pos=None, mask=None, dropout_keys=None):
-        """The final hidden states (B, T, n_embd), before the output layer. idx: (B, T) token ids;
-        kv_cache: None, or per layer a (2, B, nh, L, hs) buffer, L >= start_pos + T (see generate).
-        Sequences that pack several texts (hellaswag.py: a context, then its endings) give their own
-        positions pos (B, T) and attention mask (B, 1, T, T): which keys each query sees. In training
-        with dropout, dropout_keys (B,) int64 draw each sequence's masks (drop)."""
+        """The final hidden states (B, T, n_embd) of idx (B, T). Packed rows (hellaswag) give their
+        own positions pos (B, T) and mask (B, 1, T, T); kv_cache: a buffer per layer (generate)."""
         B, T = idx.size()
         if pos is None and start_pos + T > self.config.block_size:
             raise ValueError(f"sequence of length {start_pos + T} is longer than "
@@ -159,12 +152,12 @@ class GPT(nn.Module):
         x = self.drop(self.transformer.wte(idx) + self.transformer.wpe(pos), dropout_keys, 0)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):  # block i's dropout sites: 1 + 2i and 2 + 2i
             drop = lambda y, j, i=i: self.drop(y, dropout_keys, 1 + 2 * i + j)  # noqa: E731
-            x = block(x, mask, None if kv_cache is None else kv_cache[i], start_pos, drop)
+            kv = None if kv_cache is None else kv_cache[i][:, :, :, :start_pos + T]  # so far
+            x = block(x, Context(kv, mask, drop))
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None, kv_cache=None, start_pos=0, reduction='mean', dropout_keys=None):
-        # idx: (B, T) token ids; targets: (B, T) or None, -1 where nothing is to be predicted;
-        # reduction='none': the loss of each target, (B, T), 0 where it is -1; dropout_keys: see drop
+        # targets (B, T): -1 where nothing is predicted; reduction='none': each target's loss (B, T)
         h = self.hidden_states(idx, kv_cache, start_pos, dropout_keys=dropout_keys)  # (B, T, n_embd)
         logits = self.lm_head(h)  # (B, T, vocab_size)
         loss = None
@@ -176,14 +169,9 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, optimizer='adamw', muon_lr=None,
                              muon_momentum=0.95):
-        """AdamW (betas 0.9, 0.95) over every parameter, decaying the matrices (matmul weights,
-        embeddings) but not biases and LayerNorm gains (dim < 2). optimizer="muon": the blocks'
-        matmul weights go to Muon instead (peak lr muon_lr; its groups carry lr_scale = muon_lr /
-        learning_rate, by which the trainer scales its scheduled lr), the rest stays with AdamW. AdamW is
-        the fused kernel whatever device_type (kept for callers): the trainer skips a step on the device
-        through its found_inf, as GradScaler does."""
+        """AdamW, decaying matrices but not biases and gains; optimizer='muon': the blocks' matrices
+        go to Muon at muon_lr (its lr_scale, muon_lr / learning_rate, scales the trainer's lr)."""
         params = [p for p in self.parameters() if p.requires_grad]  # parameters() lists tied ones once
-        # with Muon: the blocks' matmul weights go to it
         to_muon = ({id(p) for block in self.transformer.h for p in block.parameters() if p.dim() == 2}
                    if optimizer == 'muon' else set())
         muon, rest = [p for p in params if id(p) in to_muon], [p for p in params if id(p) not in to_muon]
@@ -191,7 +179,7 @@ class GPT(nn.Module):
             {'params': [p for p in rest if p.dim() >= 2], 'weight_decay': weight_decay},
             {'params': [p for p in rest if p.dim() < 2], 'weight_decay': 0.0},
         ]
-        # fused on every device: one kernel, and a step it is told to skip (found_inf) changes nothing
+        # fused on every device (device_type is kept for callers): a step told to skip is none
         adamw = dict(lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=True)
         if optimizer != 'muon':
             return torch.optim.AdamW(optim_groups, **adamw)
@@ -200,14 +188,9 @@ class GPT(nn.Module):
         return MuonAdamW(muon_groups, optim_groups, dict(lr=muon_lr, momentum=muon_momentum, nesterov=True,
                                                          adjust_lr_fn='match_rms_adamw'), adamw)
 
-    # -------------------------------------------------------------------------
-    # OpenAI / HF weights, into this model (to_hf_state_dict, below, is the way out)
-
     @classmethod
     def empty(cls, config, device='cpu'):
-        """A GPT of config on device, its weights not initialised: for weights that are all loaded
-        next (a missing one is an error), the random init is wasted time at a start (docs/benchmarks.md
-        has how much, for GPT-2 124M)."""
+        """A GPT of config on device, not initialised: for weights that are all loaded next."""
         with torch.device('meta'):  # no memory, no init, no draw from the RNG
             model = cls(config)
         model.to_empty(device=device)
@@ -216,14 +199,9 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir):
-        """One of OPENAI_MODELS (through HF transformers, downloaded when online), or a local
-        directory holding a HF GPT2LMHeadModel (save_pretrained output)."""
+        """One of OPENAI_MODELS (through HF transformers), or a HF GPT2LMHeadModel's folder."""
         if name_or_dir in OPENAI_MODELS:
-            try:
-                from transformers import GPT2LMHeadModel
-            except ImportError as e:
-                raise ImportError(f"init from {name_or_dir!r} needs HF transformers: "
-                                  f"pip install transformers") from e
+            from transformers import GPT2LMHeadModel
             hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
             return cls.from_hf_state_dict(hf.config.to_dict(), hf.state_dict(), name_or_dir)
         if not os.path.isdir(name_or_dir):
@@ -231,8 +209,7 @@ class GPT(nn.Module):
                                     f"({', '.join(OPENAI_MODELS)}) nor a directory")
         config_path = os.path.join(name_or_dir, 'config.json')
         if not os.path.isfile(config_path):
-            raise FileNotFoundError(f"{config_path} not found: {name_or_dir} is not a HF GPT2LMHeadModel "
-                                    f"directory (save_pretrained writes config.json and model.safetensors)")
+            raise FileNotFoundError(f"{config_path} not found: not a HF model's folder")
         try:
             with open(config_path) as f:
                 hf_config = json.load(f)
@@ -264,12 +241,11 @@ class GPT(nn.Module):
                  for k, v in sd_hf.items() if not k.endswith(HF_MASK_BUFFERS)}
         unexpected = sorted(set(sd_hf) - set(sd))
         if unexpected:
-            raise ValueError(f"{source}: unexpected key {unexpected[0]!r} ({len(unexpected)} in all) "
-                             f"for a GPT-2")
+            raise ValueError(f"{source}: unexpected key {unexpected[0]!r} ({len(unexpected)} in all)")
         with torch.no_grad():
             for k in sd:
-                if k == 'lm_head.weight' and k not in sd_hf:
-                    continue  # tied to transformer.wte.weight
+                if k == 'lm_head.weight':
+                    continue  # tied to transformer.wte.weight (tie_word_embeddings), as HF ties it
                 if k not in sd_hf:
                     raise ValueError(f"{source}: missing key {k!r}")
                 w = sd_hf[k].t() if k.endswith(HF_CONV1D_WEIGHTS) else sd_hf[k]
@@ -278,20 +254,11 @@ class GPT(nn.Module):
                     raise ValueError(f"{source}: key {k!r} has shape {tuple(w.shape)}{conv1d}, "
                                      f"expected {tuple(sd[k].shape)} for {config}")
                 sd[k].copy_(w)
-            if 'lm_head.weight' in sd_hf and not torch.equal(sd_hf['lm_head.weight'],
-                                                             sd_hf['transformer.wte.weight']):
-                raise ValueError(f"{source}: lm_head.weight differs from transformer.wte.weight; "
-                                 f"GPT-2 ties them")
         return model
-
-    # -------------------------------------------------------------------------
-    # generation
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Append max_new_tokens sampled tokens to idx (B, T) and return it. Keys and values are
-        cached, so each new token costs one position's forward. Once the sequence outgrows
-        block_size the positions of all tokens shift, and the window is recomputed each step."""
+        """idx (B, T) with max_new_tokens sampled tokens appended; keys and values are cached."""
         bs, nh, hs = self.config.block_size, self.config.n_head, self.config.n_embd // self.config.n_head
         dtype = (torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type)
                  else self.lm_head.weight.dtype)  # of k and v
@@ -314,8 +281,7 @@ class GPT(nn.Module):
 
 
 def load_hf_weights(model_dir):
-    """State dict of a HF model directory: model.safetensors, pytorch_model.bin or their sharded
-    forms (an *.index.json naming the shards). Never unpickles code."""
+    """A HF folder's state dict, never unpickling code (torch.load's weights_only)."""
     def load(path):
         if path.endswith('.safetensors'):
             from safetensors.torch import load_file
@@ -332,30 +298,11 @@ def load_hf_weights(model_dir):
             for shard in shards:
                 sd.update(load(os.path.join(model_dir, shard)))
             return sd
-    raise FileNotFoundError(f"{model_dir}: no model.safetensors or pytorch_model.bin "
-                            f"(or their .index.json) found")
-
-
-def to_hf_state_dict(state, vocab_size):
-    """Our state dict as HF GPT2LMHeadModel's, in float32: Conv1D weights transposed, the
-    vocabulary cut to vocab_size (a padded one's extra rows dropped), lm_head left out (tied to
-    transformer.wte.weight)."""
-    out = {}
-    for k, v in state.items():
-        if k == 'lm_head.weight':
-            continue
-        v = v.float()
-        if k.endswith(HF_CONV1D_WEIGHTS):
-            v = v.t()
-        if k == 'transformer.wte.weight':
-            v = v[:vocab_size]
-        out[k] = v.contiguous()
-    return out
+    raise FileNotFoundError(f"{model_dir}: no model.safetensors or pytorch_model.bin (or shards)")
 
 
 def flops_per_token(config, T):
-    """Model FLOPs to train on one token (forward + backward) at sequence length T: 6 per
-    parameter that multiplies (the position table only adds), plus attention's QK^T and AV."""
+    """FLOPs to train on one token at length T: 6 per parameter that multiplies, and attention's."""
     n = config.n_layer * 12 * config.n_embd ** 2 + config.vocab_size * config.n_embd
     attn = config.n_layer * 2 * 2 * T * config.n_embd  # QK^T and AV, each 2 * T * n_embd per token
     return 6 * n + 3 * attn

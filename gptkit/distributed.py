@@ -1,8 +1,6 @@
 """
-What talks across processes, beside what train_gpt2.py does in the open (the process group, the DDP
-wrapper, the gradient-sync flag and the all-reduces of the loss and HellaSwag): decisions every rank
-takes together, the store a torchrun restart meets in, and the two timeouts. FSDP: gptkit/fsdp.py.
-Nothing here holds state: the run's own (which timeout is in force) is gptkit/run.py's. docs/ddp.md.
+What talks across processes beside what train_gpt2.py does in the open: decisions every rank takes
+together, the store a torchrun restart meets in, the timeouts. Stateless; docs/ddp.md tells why.
 """
 import os
 from datetime import timedelta
@@ -10,8 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# Hours that no healthy first compile or checkpoint write takes, and a hang does: the run then ends,
-# and a requeue can restart it.
+# hours that no healthy first compile or checkpoint write takes, and a hang does
 FIRST_STEP_TIMEOUT = 3600  # seconds every collective waits until the first step and evals are done
 WAIT_FOR_ALL_TIMEOUT = 2 * 3600  # seconds the others wait for rank 0's work alone (wait_for_all)
 
@@ -33,17 +30,16 @@ def _reduce(value, op):
 
 
 def max_over_ranks(value):
-    """The largest value (a bool or an int) of all ranks: a flag True on any rank is True on all."""
+    """A flag True on any rank is True on all (a bool or an int: the largest)."""
     return _reduce(value, dist.ReduceOp.MAX)
 
 
 def min_over_ranks(value):
-    """The smallest value of all ranks: a flag is True only if it is True on every rank."""
+    """A flag True only if True on every rank (a bool or an int: the smallest)."""
     return _reduce(value, dist.ReduceOp.MIN)
 
 
 def sum_over_ranks(t):
-    """t summed over all ranks, in place (one process: t as it is)."""
     if world_size() > 1:
         dist.all_reduce(t)
 
@@ -63,9 +59,8 @@ def gather_objects(obj):
 
 
 def restart_store():
-    """The store for init_process_group under torchrun: None (torchrun's own), or on one node a
-    fresh key space per restart attempt: torchrun's agent store outlives a worker group, and a
-    restarted group would read the dead group's keys (a refused connect, or a hang)."""
+    """None (torchrun's store), or on one node a key space per restart attempt: torchrun's store
+    outlives a worker group, and a restarted group would read the dead one's keys (a hang)."""
     env = os.environ
     if env.get('TORCHELASTIC_USE_AGENT_STORE') == 'True' and int(env.get('GROUP_WORLD_SIZE', 1)) == 1:
         # one node's agent counts the attempts: its store, seen through this attempt's prefix
@@ -82,9 +77,8 @@ def restart_store():
 
 
 def set_rank_environment(log_dir):
-    """Under torchrun, before the process group is made, what the user has not set: NCCL's flight
-    recorder, dumped into log_dir/nccl_trace_rank_N when a collective times out (docs/ddp.md, 10),
-    and inductor's compile workers, the CPUs of this process shared among the ranks of its node."""
+    """What the user has not set: NCCL's flight recorder, dumped into log_dir when a collective times
+    out, and inductor's compile workers, this node's CPUs shared among its ranks."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
     # keyed by the names the user may have set each under: torch still reads the older ones (second)
     defaults = {('TORCH_NCCL_DUMP_ON_TIMEOUT',): '1',
@@ -98,28 +92,26 @@ def set_rank_environment(log_dir):
 
 
 def set_collective_timeout(seconds):
-    """From here every collective gives up after seconds. The ranks meet first, under the longer
-    timeout, so that none waits under the shorter one for a rank still compiling."""
+    """From here every collective gives up after seconds; the ranks meet first, under the long one."""
     if dist.is_initialized():
         dist.barrier()
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
 
 
 def wait_for_all():
-    """A barrier after rank 0 has worked alone (a checkpoint write, the end of the run), for up to
-    WAIT_FOR_ALL_TIMEOUT, however short collective_timeout is. It meets in the process group's store:
-    the store counts each rank's calls, and each call waits for every rank's key of its number."""
+    """A barrier after rank 0 has worked alone (a checkpoint write), for up to WAIT_FOR_ALL_TIMEOUT,
+    however short collective_timeout is: in the store, which counts each rank's calls."""
     if world_size() == 1:
         return
     store = dist.distributed_c10d._get_default_store()
     n = store.add(f'wait_for_all/calls/{rank()}', 1)
     store.set(f'wait_for_all/{n}/{rank()}', '')
-    store.wait([f'wait_for_all/{n}/{r}' for r in range(world_size())], timedelta(seconds=WAIT_FOR_ALL_TIMEOUT))
+    keys = [f'wait_for_all/{n}/{r}' for r in range(world_size())]
+    store.wait(keys, timedelta(seconds=WAIT_FOR_ALL_TIMEOUT))
 
 
 def end_process_group(finished):
-    """Leave the process group (at exit). finished: the run got to its end or stopped on a signal,
-    so every rank waits for the others first: none tears down while rank 0 still writes."""
+    """At exit. A run that finished (or stopped on a signal) waits for rank 0's last writes first."""
     if not dist.is_initialized():
         return
     try:

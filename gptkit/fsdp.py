@@ -9,7 +9,7 @@ before a unit runs its parameters are all-gathered, after its backward its gradi
 reduce-scattered. Precision stays autocast, as under DDP, so FSDP and DDP compute the same numbers
 (FSDP's MixedPrecisionPolicy would all-gather in bf16, half the traffic, but would also run layer norms
 and the residual stream in bf16). The rest of the trainer sees full tensors only: checkpoints hold the
-full state, in DDP's format (torch.distributed.checkpoint.state_dict gathers it), and the evals run on
+full state, in DDP's format (WholeModel, WholeOptimizer), and the evals run on
 a plain copy of the whole model.
 """
 import torch
@@ -48,29 +48,50 @@ def _names(model, optimizer):
     return [names[p] for group in optimizer.param_groups for p in group['params']]
 
 
-def full_state(model, optimizer):
-    """(model state_dict, optimizer state_dict), full, on rank 0's host (empty elsewhere), in DDP's
-    format (the optimizer's state numbered by position); every rank must call it."""
-    model_state = get_model_state_dict(model, options=FULL)
-    first = {}  # a tied weight (wte = lm_head) is one tensor under both names, as in DDP's state_dict
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if first.setdefault(p, name) != name and name in model_state:
-            model_state[name] = model_state[first[p]]
-    opt = get_optimizer_state_dict(model, optimizer, options=FULL)  # keyed by parameter name
-    names = _names(model, optimizer)
-    state = {i: opt['state'][n] for i, n in enumerate(names) if n in opt.get('state', {})}
-    return model_state, {'state': state, 'param_groups': optimizer.state_dict()['param_groups']}
+class WholeModel:
+    """The sharded model as a checkpoint holds it: whole tensors on rank 0's host, in DDP's format.
+    Every rank calls state_dict(); load_state_dict() keeps this rank's shards of a whole state."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self):
+        state = get_model_state_dict(self.model, options=FULL)
+        first = {}  # a tied weight (wte = lm_head) is one tensor under both names, as in DDP's
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if first.setdefault(p, name) != name and name in state:
+                state[name] = state[first[p]]
+        return state
+
+    def load_state_dict(self, state):
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
 
 
-def load_full_state(model, optimizer, model_state, opt_state):
-    """Load full state dicts (in DDP's format; every rank read the checkpoint) into the sharded model
-    and its optimizer: each rank keeps its own shards."""
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=options)
-    names = _names(model, optimizer)
-    groups = [dict(g, params=[names[i] for i in g['params']]) for g in opt_state['param_groups']]
-    state = {names[i]: s for i, s in opt_state['state'].items()}
-    set_optimizer_state_dict(model, optimizer, {'state': state, 'param_groups': groups}, options=options)
+class WholeOptimizer:
+    """The sharded optimizer's state as a checkpoint holds it: whole, numbered by position as DDP's
+    optimizer numbers it; loaded with this run's settings (param_groups)."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        opt = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)  # keyed by name
+        names = _names(self.model, self.optimizer)
+        state = {i: opt['state'][n] for i, n in enumerate(names) if n in opt.get('state', {})}
+        return {'state': state, 'param_groups': self.optimizer.state_dict()['param_groups']}
+
+    def load_state_dict(self, opt_state):
+        names = _names(self.model, self.optimizer)
+        groups = [dict(g, params=[names[i] for i in g['params']])
+                  for g in self.optimizer.state_dict()['param_groups']]
+        state = {names[i]: s for i, s in opt_state['state'].items()}
+        set_optimizer_state_dict(self.model, self.optimizer, {'state': state, 'param_groups': groups},
+                                 options=StateDictOptions(full_state_dict=True))
+
+
+def checkpoint_entries(model, optimizer):
+    """The trainer's 'model' and 'optimizer' entries of a checkpoint, for a sharded model."""
+    return {'model': WholeModel(model), 'optimizer': WholeOptimizer(model, optimizer)}
 
 
 def state_mib(model, optimizer):

@@ -1,8 +1,4 @@
-"""
-The device this process computes on: which one ("auto"), in which precision (dtype "auto",
-autocast), what its CPU can do (bf16 units), and how fast it
-multiplies (peak FLOP/s for MFU). docs/precision.md tells why each choice is made.
-"""
+"""The device, its precision (dtype "auto", autocast) and its peak FLOP/s for MFU; why: docs/precision.md."""
 import torch
 
 from gptkit.common import UserError
@@ -12,33 +8,20 @@ AUTOCAST_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 
 def device_type(device):
-    """'cpu', 'cuda', 'mps', ... of a device name; a malformed one is a UserError naming it."""
-    if isinstance(device, str):
-        try:
-            return torch.device(device).type
-        except RuntimeError:
-            pass
-    raise UserError(f"device must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
+    try:  # str(): torch.device(0) would be a GPU
+        return torch.device(str(device)).type
+    except RuntimeError:
+        raise UserError(f"device must be auto, cpu, cuda, cuda:N or mps, got {device!r}") from None
 
 
 def pick_device(device, local_rank=None):
-    """The device to compute on: "auto" made concrete (cuda > mps > cpu), a GPU with its index
-    (cuda:0; under torchrun, local_rank given, cuda:LOCAL_RANK whatever was asked: one GPU per
-    process), checked: a malformed name or a device that is not here is a UserError naming the
-    devices there are, not CUDA's traceback from deep inside the first tensor moved."""
-    picked = device if device != 'auto' else (
-        'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu')
+    """"auto" made concrete (cuda > mps > cpu); a device not here is one line, not CUDA's traceback."""
+    n_gpus, mps = torch.cuda.device_count(), torch.backends.mps.is_available()
+    picked = device if device != 'auto' else 'cuda' if n_gpus else 'mps' if mps else 'cpu'
     kind = device_type(picked)
-    if kind == 'cpu':  # always here, and shared by the processes of a node
-        return picked
-    cuda = torch.cuda.is_available()
-    mps = torch.backends.mps.is_available()
     torchrun = kind == 'cuda' and local_rank is not None
-    if torchrun:  # one GPU per process
-        picked = f'cuda:{local_rank}'
-    elif picked == 'cuda':  # set_device needs an index
-        picked = 'cuda:0'
-    n_gpus = torch.cuda.device_count() if cuda else 0
+    if torchrun or picked == 'cuda':  # under torchrun one GPU per process; set_device needs an index
+        picked = f'cuda:{local_rank if torchrun else 0}'
     if kind == 'cuda' and torch.device(picked).index >= n_gpus:
         why = (f"this torch {torch.__version__} is built without CUDA" if torch.version.cuda is None
                else f"torch sees {n_gpus or 'no'} CUDA GPU{'s' * (n_gpus > 1)}")
@@ -53,26 +36,21 @@ def pick_device(device, local_rank=None):
 
 
 def autocast(device, dtype):
-    """Autocast to dtype ("bfloat16" or "float16") on device; a no-op context for "float32"."""
     return torch.autocast(torch.device(device).type, dtype=AUTOCAST_DTYPES.get(dtype, torch.bfloat16),
-                          enabled=dtype in AUTOCAST_DTYPES)
+                          enabled=dtype in AUTOCAST_DTYPES)  # float32: a no-op
 
 
 def cpu_has_bf16():
-    """True where this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 units) and oneDNN uses
-    them; elsewhere (AVX2-only CPUs, ARM here) bf16 matmuls are emulated, far slower than float32
-    (docs/precision.md has a measure)."""
+    """Whether this CPU has bf16 units (AVX512-BF16, AMX) that oneDNN uses: elsewhere bf16 is emulated."""
     caps = torch.cpu.get_capabilities()
-    try:  # the units, and a oneDNN that uses them
+    try:  # a build without oneDNN raises
         return bool(caps.get('avx512_bf16') or caps.get('amx_bf16') or torch.cpu._is_avx512_bf16_supported()
                     or torch.cpu._is_amx_tile_supported()) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):  # a build without oneDNN
+    except (AttributeError, RuntimeError):
         return False
 
 
 def resolve_dtype(dtype, device):
-    """(dtype, why): "auto" made concrete for device (a name as pick_device gives it), the same answer
-    on every call."""
     if dtype != 'auto':
         return dtype, 'as configured'
     if device.startswith('cpu'):
@@ -81,23 +59,20 @@ def resolve_dtype(dtype, device):
     if device.startswith('cuda'):
         cc = torch.cuda.get_device_capability(device)
         gpu = f'auto: {torch.cuda.get_device_name(device)} (compute capability {cc[0]}.{cc[1]})'
-        if cc >= (8, 0):  # Ampere and newer: bf16 tensor cores, float32's range, no loss scaling
-            return 'bfloat16', f'{gpu} has bf16'
-        return 'float16', f'{gpu} has no bf16; float16 with loss scaling'
-    # MPS: float16 gains memory but no arithmetic speed on Apple GPUs and needs loss scaling; bf16
-    # needs macOS 14: float32 is the choice that works everywhere
+        # Ampere and newer: bf16 tensor cores, float32's range, no loss scaling
+        return (('bfloat16', f'{gpu} has bf16') if cc >= (8, 0) else
+                ('float16', f'{gpu} has no bf16; float16 with loss scaling'))
+    # MPS: float16 gains memory but no speed on Apple GPUs, and bf16 needs macOS 14: float32 works everywhere
     return 'float32', f'auto: float32 on {torch.device(device).type}'
 
 
 def choose_precision(config, device):
-    """The config with dtype and compile made concrete for this device ("auto"), the same on every
-    rank; rank 0 says what it chose and why."""
+    """The config with dtype and compile made concrete, the same on every rank; rank 0 says why."""
     from gptkit import distributed  # the trainer's path only: the tools need none of DDP's and FSDP's imports
     dtype, why = resolve_dtype(config['dtype'], device)
     least = PRECISIONS[distributed.min_over_ranks(PRECISIONS.index(dtype))]  # every rank must compute alike
     if least != dtype:
-        dtype = least
-        why = 'auto: the choice of a rank whose hardware has less'
+        dtype, why = least, 'auto: the choice of a rank whose hardware has less'
     if distributed.rank() == 0:
         print(f"precision: {dtype} ({why}){', with loss scaling' if dtype == 'float16' else ''}")
         if dtype == 'bfloat16' and device.startswith('cpu') and not cpu_has_bf16():
@@ -108,7 +83,6 @@ def choose_precision(config, device):
 
 
 def sync(device):
-    """Wait for the device's queued work (for timing)."""
     if device.startswith('cuda'):
         torch.cuda.synchronize()
     elif device == 'mps':
@@ -122,7 +96,6 @@ GPU_PEAK_FLOPS = {'H200': 989e12, 'H100 PCIe': 756e12, 'H100 NVL': 835e12, 'H100
 
 
 def matmul_flops(device, dtype, n=None, reps=10):
-    """FLOP/s of an n x n @ n x n matmul in dtype on device (bf16/fp16 inputs, as autocast makes them)."""
     import time
     n = n or (8192 if device.startswith('cuda') else 2048)
     a, b = torch.randn(2, n, n, device=device, dtype=AUTOCAST_DTYPES.get(dtype, torch.float32))
@@ -137,8 +110,6 @@ def matmul_flops(device, dtype, n=None, reps=10):
 
 
 def peak_flops(device, dtype):
-    """(FLOP/s, where from) for MFU: a known NVIDIA GPU's datasheet peak in bf16/fp16, else a matmul
-    measured now (float32, other GPUs, Apple's); on a CPU (None, why): no peak there holds still."""
     if device == 'cpu':  # a matmul timed at start moved 5x between runs on one machine: MFUs over 100%
         return None, ("not shown on a CPU: its matmul rate moves with the load, the threads and the "
                       "shapes, so no peak holds; tok/sec is the figure to compare")

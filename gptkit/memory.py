@@ -35,9 +35,6 @@ ACTIVATIONS_TIMES = {'cpu': 1.5}  # on a GPU the logits' bytes below are measure
 # autocast's dtype: counted exactly.
 GPU_LOGIT_BYTES = {True: 6, False: 12}  # compiled: bytes
 MAX_B = 64
-# what the start saw, for the out-of-memory line: {'need': B -> bytes, 'free', 'total', 'device', 'fsdp',
-# 'divisors': the B that divide a rank's share of total_batch_size, up to MAX_B}
-plan = {}
 
 
 def free_and_total(device):
@@ -120,7 +117,9 @@ def micro_batch(c, model_config, device, world=1, free=None):
     parallel, dtype and compile concrete) with a model shaped as model_config: c's B if a number
     (line None); for "auto" the largest B that divides a rank's share of total_batch_size, is at
     most MAX_B and fits the device's free memory (free: bytes, else asked of the device) on every
-    rank, and the line that says why. Every rank calls it; plan keeps what it saw."""
+    rank, and the line that says why. Every rank calls it. Also the plan, what it saw, for the
+    out-of-memory line: {'need': B -> bytes, 'free', 'total', 'device', 'fsdp', 'divisors': the B that
+    divide a rank's share of total_batch_size, up to MAX_B}."""
     B, T, fsdp = c['B'], c['T'], c['parallel'] == 'fsdp' and world > 1  # one process: FSDP is off
     # counted when first asked: at the start for "auto", else only if memory runs out (it takes ~1 s)
     counted = functools.cache(lambda: estimate(model_config, T, c['dtype'], device, c['compile'] is True,
@@ -128,11 +127,11 @@ def micro_batch(c, model_config, device, world=1, free=None):
     need = lambda b: counted()(b)  # bytes at B = b
     free, total = free_and_total(device) if free is None else (free, free)
     share = max(1, c['total_batch_size'] // (T * world))  # a rank's sequences per step
-    plan.update(need=need, free=free, total=total, device=device, fsdp=fsdp,
+    plan = dict(need=need, free=free, total=total, device=device, fsdp=fsdp,
                 divisors=[b for b in range(1, min(MAX_B, share) + 1) if share % b == 0])
     if B != 'auto':
-        return B, None
-    fits = fitting_B()
+        return B, None, plan
+    fits = fitting_B(plan)
     mine = fits or 1
     B = min_over_ranks(mine)  # the rank with the least memory decides
     more = min((b for b in plan['divisors'] if b > B), default=None)
@@ -146,31 +145,31 @@ def micro_batch(c, model_config, device, world=1, free=None):
         line += f"; another rank has less free memory (B={mine} fits here)"
     if not fits:
         line += "; even B=1 does not fit by the estimate"
-    return B, line
+    return B, line, plan
 
 
 def micro_batch_of(c, device):
     """micro_batch for a whole config c with its dtype and compile made concrete, in one process
     (bench.py, gpu_check.py): c with B a number, and the line, printed."""
     from model import GPTConfig
-    B, line = micro_batch(c, GPTConfig.from_dict(c), device)
+    B, line, _ = micro_batch(c, GPTConfig.from_dict(c), device)
     if line:
         print(line)
     return dict(c, B=B)
 
 
-def fitting_B():
+def fitting_B(plan):
     """The largest B, a divisor of the share at most MAX_B, that fits plan's free memory; or 0."""
     return max((b for b in plan['divisors'] if plan['need'](b) <= HEADROOM * plan['free']), default=0)
 
 
-def out_of_memory(B):
+def out_of_memory(B, plan=None):
     """The one line for the device out of memory at micro-batch B (gptkit/distributed.py prints it)."""
     if not plan:  # B is a number: nothing was counted
         return (f"error: out of memory at B={B} on the device: lower B, or free the device's memory "
                 f"(the last checkpoint stands)")
     where = f"{plan['device']} ({plan['total'] / 1e9:.1f} GB, {plan['free'] / 1e9:.1f} free at the start)"
-    fits = fitting_B()
+    fits = fitting_B(plan)
     if fits >= B:  # the estimate said B fits (fragmentation, another process): the next B down
         fits = max((b for b in plan['divisors'] if b < B), default=0)
         advice = f"the estimate said B={B} fits, so try B={fits}" if fits else "B=1 does not fit"

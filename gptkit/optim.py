@@ -103,7 +103,8 @@ class MuonAdamW(torch.optim.Optimizer):
             if owners[i] == distributed.rank():  # this rank's share of the FLOPs
                 update = orthogonalize(update, group['ns_coefficients'], group['ns_steps'], group['eps'])
                 updates[i].copy_(update.flatten())
-        distributed.sum_over_ranks(flat)  # each update is one rank's, zeros elsewhere: their sum is it, exactly
+        # each update is one rank's, zeros elsewhere: their sum is it, exactly
+        distributed.sum_over_ranks(flat)
         for (p, group), update in zip(todo, updates):
             rows, cols = p.shape[:2]  # how torch.optim.Muon scales lr for a matrix of this shape:
             if group['adjust_lr_fn'] == 'match_rms_adamw':  # the update's RMS as AdamW's, so lr carries over

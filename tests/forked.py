@@ -39,8 +39,9 @@ import traceback
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "model", "hellaswag", "gptkit.checkpoint",
-           "gptkit.configurator", "gptkit.run_record")  # the trainer's imports (it runs when imported)
+# the trainer's imports (it runs when imported)
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "model", "gptkit.hellaswag_eval",
+           "gptkit.checkpoint", "gptkit.configurator", "gptkit.run")
 # read when a run reads them, never at import: the same in a fork as in a fresh interpreter (the tests'
 # faults' own, and a few of the trainer's)
 RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "WANDB_MODE", "WANDB_SILENT", "FREE_0", "FREE_1",

@@ -116,7 +116,7 @@ def test_shards_shorter_than_a_step_are_passed_over(tmp_path, shuffle, capsys):
     for _ in range(per_epoch + 2):  # into epoch 3
         loader.next_batch()
     grown = DataLoaderLite(B, T, 0, 2, "train", str(tmp_path), accum_steps=2, shuffle=shuffle)  # 32 a step
-    grown.load_state(loader.state(), "model_00042.pt")
+    grown.load_state_dict(loader.state_dict())
     assert (grown.epoch, list(grown.order)) == (loader.epoch, list(loader.order))  # the same draw over all 5
 
 
@@ -138,7 +138,7 @@ def test_val_tokens_span_shards_and_errors(tmp_path):
 
 
 def test_loader_state_resumes_any_world_size(tmp_path):
-    """state() after some steps on 2 ranks, load_state() into 1 rank with double accumulation: the
+    """state_dict() after some steps on 2 ranks, load_state_dict() into 1 rank with double accumulation: the
     next global batches are the ones the uninterrupted 1-rank loader reads. A shard that is not the
     one the state names is refused."""
     make_shards(tmp_path, [5 * 16 + 3, 4 * 16 + 1, 3 * 16 + 7])
@@ -150,15 +150,15 @@ def test_loader_state_resumes_any_world_size(tmp_path):
         one.next_batch(), one.next_batch()
     state = {"epoch": 0, "shard": 1, "pos": 16, "shuffle": False, "seed": 1337,
              "file": "edufineweb_train_000001.npy"}
-    assert two[0].state() == two[1].state() == one.state() == state
+    assert two[0].state_dict() == two[1].state_dict() == one.state_dict() == state
     resumed = DataLoaderLite(B, T, 0, 1, "train", str(tmp_path), accum_steps=2)
-    resumed.load_state(two[0].state(), "model_00006.pt")
+    resumed.load_state_dict(two[0].state_dict())
     for _ in range(2 * 9):  # and around the wrap
         assert all(torch.equal(a, b) for a, b in zip(resumed.next_batch(), one.next_batch()))
-    with pytest.raises(UserError, match=r"model_00006.pt was reading train shard 'other_train_000001.npy' "
+    with pytest.raises(UserError, match=r"the checkpoint was reading train shard 'other_train_000001.npy' "
                                         r"\(number 1\), but that shard of data_root is "
                                         r"'edufineweb_train_000001.npy'"):
-        resumed.load_state({"shard": 1, "pos": 16, "file": "other_train_000001.npy"}, "model_00006.pt")
+        resumed.load_state_dict({"shard": 1, "pos": 16, "file": "other_train_000001.npy"})
 
 
 def test_token_ids_beyond_the_vocab_are_an_error(tmp_path):

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 import forked
 from conftest import one_thread
 import hellaswag
-from gptkit import hellaswag as scoring
+from gptkit import hellaswag_eval as scoring
 from gptkit.common import UserError
 from model import GPT, GPTConfig
 
@@ -350,24 +350,24 @@ def test_load_for_training_in_one_process(tmp_path, hf_and_ours):
     """The examples of the file, prepared; else one line that says why and what to pass."""
     _, ours = hf_and_ours
     write_file(tmp_path / "h.jsonl", make_examples(3))
-    got = scoring.load_for_training(str(tmp_path / "h.jsonl"), ours, 2, "cpu")
+    got = scoring.load_for_training(str(tmp_path / "h.jsonl"), ours, 2, 256, "cpu")  # 2 examples a batch
     want = scoring.prepare(make_examples(3), 64, "cpu", 2)
     assert scoring.evaluate(ours, got).tolist() == scoring.evaluate(ours, want).tolist()
     flat = lambda prepared: [t.tolist() for t in torch.utils._pytree.tree_leaves(prepared)]
     assert flat(got) == flat(want)
     advice = "; pass --hellaswag_file=PATH (a HellaSwag val jsonl file) or --hellaswag=False"
     with pytest.raises(UserError) as e:
-        scoring.load_for_training(str(tmp_path / "missing.jsonl"), ours, 2, "cpu")
+        scoring.load_for_training(str(tmp_path / "missing.jsonl"), ours, 2, 256, "cpu")
     assert str(e.value) == f"no HellaSwag eval: {tmp_path / 'missing.jsonl'} not found" + advice
     small = GPT(GPTConfig(block_size=16, vocab_size=300, n_layer=1, n_head=1, n_embd=8))
     with pytest.raises(UserError) as e:
-        scoring.load_for_training(str(tmp_path / "h.jsonl"), small, 2, "cpu")
+        scoring.load_for_training(str(tmp_path / "h.jsonl"), small, 2, 256, "cpu")
     assert str(e.value) == "no HellaSwag eval: vocab_size=300 is smaller than GPT-2's 50257" + advice
 
 
 EVAL_PROBE = """
 import os, runpy, sys, torch
-from gptkit import hellaswag
+from gptkit import hellaswag_eval
 ROOT = __ROOT__
 from gptkit.shards import DataLoaderLite
 from torch.overrides import TorchFunctionMode
@@ -384,18 +384,18 @@ class Count(TorchFunctionMode):  # host reads, and ops whose output's size depen
         if func in READS or func in DATA_SIZED or by_mask:
             self.seen.append(func.__name__)
         return func(*args, **(kwargs or {}))
-mode, evaluate, next_batch = Count(), hellaswag.evaluate, DataLoaderLite.next_batch
+mode, evaluate, next_batch = Count(), hellaswag_eval.evaluate, DataLoaderLite.next_batch
 def counting(*a, **k):  # from the first eval's first forward...
-    hellaswag.evaluate = evaluate
+    hellaswag_eval.evaluate = evaluate
     mode.__enter__()
     return evaluate(*a, **k)
 def stop(self):  # ...to the next training step's first batch
-    if hellaswag.evaluate is evaluate:  # the eval has run
+    if hellaswag_eval.evaluate is evaluate:  # the eval has run
         mode.__exit__(None, None, None)
         print(f"from HellaSwag to the next step: {Count.seen}", flush=True)
         DataLoaderLite.next_batch = next_batch
     return next_batch(self)
-hellaswag.evaluate, DataLoaderLite.next_batch = counting, stop
+hellaswag_eval.evaluate, DataLoaderLite.next_batch = counting, stop
 sys.argv[0] = os.path.join(ROOT, 'train_gpt2.py')
 runpy.run_path(sys.argv[0], run_name='__main__')
 """

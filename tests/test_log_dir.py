@@ -14,20 +14,21 @@ import pytest
 
 import forked
 from conftest import ROOT, TINY, one_thread, random_shards, run_script
-from gptkit import checkpoint
+from gptkit.run import LogDirLock
 
 ARGS = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=256", "--eval_interval=0",
         "--sample_interval=0", "--checkpoint_interval=5", "--hellaswag=False"]
 
-# another process that takes the lock, prints its pid, and ends its run (release_log_dir) when its
+# another process that takes the lock, prints its pid, and ends its run (release) when its
 # stdin closes: a live run, as the trainer holds it
 HOLDER = """
 import sys
-from gptkit import checkpoint
-assert checkpoint.lock_log_dir(sys.argv[1]) == ''
+from gptkit.run import LogDirLock
+lock = LogDirLock(sys.argv[1])
+assert lock.acquire() == ''
 print('locked', flush=True)
 sys.stdin.read()
-checkpoint.release_log_dir()
+lock.release()
 print('released', flush=True)
 """
 
@@ -38,11 +39,13 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture
-def lock_released():
-    """The lock this test process takes, released whatever the test's end (a fork of this process
-    runs the trainer's commands: none must find it held)."""
-    yield
-    checkpoint.release_log_dir()
+def locks():
+    """The locks this test process takes, released whatever the test's end (a fork of this process
+    runs the trainer's commands: none must find one held)."""
+    taken = []
+    yield lambda log_dir: taken.append(LogDirLock(str(log_dir))) or taken[-1]
+    for lock in taken:
+        lock.release()
 
 
 def holder(log_dir):
@@ -79,7 +82,7 @@ def test_a_run_that_ends_removes_its_run_lock(data, tmp_path):
     assert sorted(os.listdir(log_dir)) == before  # run.lock taken, then removed; nothing else touched
 
 
-def test_a_refused_launch_leaves_the_lock_file_as_it_was(tmp_path, lock_released):
+def test_a_refused_launch_leaves_the_lock_file_as_it_was(tmp_path, locks):
     """The holder's line, bytes, inode and mtime stay; the refusal names the holder; once the holder's
     run ends its run.lock is gone, and the next launch takes a fresh one."""
     log_dir = tmp_path / "log"
@@ -89,21 +92,22 @@ def test_a_refused_launch_leaves_the_lock_file_as_it_was(tmp_path, lock_released
         before = path.read_bytes(), os.stat(path)
         assert before[0].startswith(f"pid {p.pid} on ".encode())
         time.sleep(0.01)  # an mtime that a write would change
-        busy = checkpoint.lock_log_dir(str(log_dir))
+        refused = locks(log_dir)
+        busy = refused.acquire()
         assert f"log_dir={log_dir} is in use by a live run (pid {p.pid} on " in busy
         after = path.read_bytes(), os.stat(path)
         assert after[0] == before[0] and (after[1].st_ino, after[1].st_mtime_ns) == (before[1].st_ino,
                                                                                   before[1].st_mtime_ns)
-        checkpoint.release_log_dir()  # the refused run ends: it holds nothing
+        refused.release()  # the refused run ends: it holds nothing
         assert path.read_bytes() == before[0]
     finally:
         out, _ = p.communicate("", timeout=60)
     assert out == "released\n" and not log_dir.exists()  # it made log_dir and wrote nothing there
-    assert checkpoint.lock_log_dir(str(log_dir)) == ""
+    assert locks(log_dir).acquire() == ""
     assert (log_dir / "run.lock").read_text().startswith(f"pid {os.getpid()} on ")  # (the lock dropped)
 
 
-def test_a_lock_on_a_file_removed_meanwhile_is_taken_again(tmp_path, monkeypatch, lock_released):
+def test_a_lock_on_a_file_removed_meanwhile_is_taken_again(tmp_path, monkeypatch, locks):
     """The race of an ending run and a new launch: the launch opens run.lock, the ending run removes
     it (here, between the launch's open and its lock; another launch then makes a new one), and the
     launch's lock lands on a file without a name. It must notice, and lock the file that the name
@@ -121,27 +125,27 @@ def test_a_lock_on_a_file_removed_meanwhile_is_taken_again(tmp_path, monkeypatch
         calls.append(os.fstat(f.fileno()).st_ino)
         return lockf(f, how)
     monkeypatch.setattr(fcntl, "lockf", ending_run_removes_it)
-    assert checkpoint.lock_log_dir(str(log_dir)) == ""
+    assert locks(log_dir).acquire() == ""
     monkeypatch.undo()
     assert len(calls) == 2 and calls[1] == os.stat(path).st_ino != calls[0]  # the second lock: the named file
     # (reading the file here would drop the lock: a POSIX lock goes with any close of the file by its holder)
-    r = subprocess.run([sys.executable, "-c", "import sys; from gptkit import checkpoint; "
-                        "print(checkpoint.lock_log_dir(sys.argv[1]))", str(log_dir)],
+    r = subprocess.run([sys.executable, "-c", "import sys; from gptkit.run import LogDirLock; "
+                        "print(LogDirLock(sys.argv[1]).acquire())", str(log_dir)],
                        cwd=ROOT, env=one_thread(), capture_output=True, text=True, timeout=60)
     assert f"is in use by a live run (pid {os.getpid()} on " in r.stdout, r.stdout + r.stderr
 
 
-def test_a_start_that_ends_removes_the_lock_and_a_failed_one_the_folders_it_made(tmp_path, lock_released):
-    """The run's end (release_log_dir, at exit) removes run.lock, and the folders that taking the lock
+def test_a_start_that_ends_removes_the_lock_and_a_failed_one_the_folders_it_made(tmp_path, locks):
+    """The run's end (LogDirLock.release, at exit) removes run.lock, and the folders that taking the lock
     made unless something was written in them (a start that failed leaves nothing behind)."""
     made = tmp_path / "runs" / "log"
-    assert checkpoint.lock_log_dir(str(made)) == ""
-    checkpoint.release_log_dir()
+    assert (lock := locks(made)).acquire() == ""
+    lock.release()
     assert os.listdir(tmp_path) == []  # runs/ and runs/log: both made by taking the lock
-    assert checkpoint.lock_log_dir(str(made)) == ""
+    assert (lock := locks(made)).acquire() == ""
     (made / "log.txt").write_text("0 train 10.0\n")
-    checkpoint.release_log_dir()
+    lock.release()
     assert os.listdir(made) == ["log.txt"]  # something was written: it stays
-    assert checkpoint.lock_log_dir(str(made)) == ""
-    checkpoint.release_log_dir()
+    assert (lock := locks(made)).acquire() == ""
+    lock.release()
     assert os.listdir(made) == ["log.txt"]

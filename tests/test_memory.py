@@ -98,8 +98,8 @@ def test_the_choices_are_the_docs_table():
             for compiled in (True, False):
                 for gb in (24, 40, 80):
                     run = dict(c, dtype="bfloat16", compile=compiled, parallel=parallel)
-                    B, _ = memory.micro_batch(run, GPTConfig.from_dict(c), "cuda", 8, free=gb * 1e9)
-                    picks.append(str(B) if memory.fitting_B() else "-")  # "-": not even B=1
+                    B, _, plan = memory.micro_batch(run, GPTConfig.from_dict(c), "cuda", 8, free=gb * 1e9)
+                    picks.append(str(B) if memory.fitting_B(plan) else "-")  # "-": not even B=1
         assert picks == cells.split(" | "), (preset, picks, cells)
 
 
@@ -112,7 +112,7 @@ def test_on_the_cpu_auto_keeps_the_demo_preset():
     assert c["B"] == "auto"
     for world, B in ((1, 16), (2, 8)):
         run = dict(c, dtype="float32", compile=False)
-        chosen, line = memory.micro_batch(run, GPTConfig.from_dict(c), "cpu", world, free=8e9)
+        chosen, line, _ = memory.micro_batch(run, GPTConfig.from_dict(c), "cpu", world, free=8e9)
         assert chosen == B and line.startswith(f"B={B} (auto): "), line
 
 
@@ -140,7 +140,6 @@ from gptkit import memory
 from gptkit.shards import DataLoaderLite
 from model import GPT
 ROOT = __ROOT__
-memory.plan.clear()  # as in a fresh interpreter: this fork's test process may have counted in-process
 rank = os.environ.get('RANK', '0')
 if os.environ.get('FREE_' + rank):
     memory.free_and_total = lambda device: (int(os.environ['FREE_' + rank]),) * 2

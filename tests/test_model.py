@@ -1,3 +1,4 @@
+import copy
 import json
 import math
 import os
@@ -279,6 +280,27 @@ def test_the_loss_path_is_chosen_by_the_device(monkeypatch):
     torch.testing.assert_close(losses.double(), ref, rtol=1e-6, atol=1e-6)
 
 
+def test_a_copy_of_the_cpu_model_computes_with_its_own_weights():
+    """An EMA of the weights starts as copy.deepcopy(model): on a CPU, where fuse_loss gave the model
+    its fused training loss, the copy's loss comes from the copy's weights (it equals a fresh unfused
+    GPT's with them, not the original's), and the copy keeps the fused loss."""
+    from gptkit.cpu import fuse_loss
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=16, vocab_size=300, n_layer=1, n_head=2, n_embd=32)
+    fuse_loss(model := GPT(config))
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.5)
+    fresh = GPT(config)
+    fresh.load_state_dict(ema.state_dict())
+    x, y = torch.randint(0, 300, (2, 3, 16))
+    logits, loss = ema(x, y)
+    assert logits is None  # the fused loss
+    assert abs(loss.item() - model(x, y)[1].item()) > 1e-3
+    assert abs(loss.item() - fresh(x, y)[1].item()) < 1e-5
+
+
 @pytest.mark.parametrize("grad", [True, False])
 def test_forward_compiles_to_one_graph(grad):
     """torch.compile traces GPT.forward (targets given: the trainer's step with grad, its val loss
@@ -305,7 +327,7 @@ def test_dropout_masks_follow_each_sequence_and_train_mode_alone():
     up; each sequence's masks follow its key, not its row in the batch or what else the batch
     holds; other keys draw other masks, and without keys torch's generator draws them; eval mode or
     dropout 0 drop nothing. HellaSwag scores in eval mode whatever mode the model came in."""
-    from gptkit import hellaswag
+    from gptkit import hellaswag_eval as hellaswag
     from test_hellaswag import make_examples
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32))

@@ -99,6 +99,16 @@ def assert_same(a, b, tol=0.0):
             assert (x - y).abs().max().item() <= tol, (name, (x - y).abs().max().item())
 
 
+def assert_resumed_exactly(a, b):
+    """Every entry of checkpoint b is checkpoint a's, tensors bit for bit: the model, the optimizer,
+    the loader, the RNG, ... and any entry a trainer adds (the config aside: its log_dir differs)."""
+    assert a.keys() == b.keys()
+    for key in [k for k in a if k != "train_config"]:
+        x, y = torch.utils._pytree.tree_flatten(a[key]), torch.utils._pytree.tree_flatten(b[key])
+        assert x[1] == y[1], key  # the same structure
+        assert all(torch.equal(u, v) if torch.is_tensor(u) else u == v for u, v in zip(x[0], y[0])), key
+
+
 def assert_log_complete(log_dir):
     """Every step once, in order: no line the crashed run wrote after its checkpoint survives."""
     lines = (log_dir / "log.txt").read_text().splitlines()
@@ -148,6 +158,28 @@ def test_resume_from_a_checkpoint_is_bit_identical(one, data, tmp_path, step):
     assert f"step {step:5d} | val loss" not in r.stdout  # the checkpoint's own evals are not run again
     assert (tmp_path / "resumed" / "log.txt").read_text() == (one / "log.txt").read_text()
     assert_same(state(one), state(tmp_path / "resumed"))
+    assert_resumed_exactly(state(one), state(tmp_path / "resumed"))
+
+
+# a resume that forgets to load one entry of the checkpoint (here the loader's position)
+FORGET_ONE = """
+from gptkit import checkpoint
+load = checkpoint.load_state
+def forgetful(state, ckpt, path):
+    load({k: v for k, v in state.items() if k != 'loader'}, ckpt, path)
+checkpoint.load_state = forgetful
+"""
+
+
+def test_a_resume_that_misses_an_entry_fails_the_exact_resume_check(one, data, tmp_path):
+    """Issue 54.4: what a checkpoint holds is listed once, and the check above compares every entry:
+    an entry whose load side is missing makes it fail (a user's new state, an EMA, is one entry)."""
+    copy_checkpoint(one, tmp_path / "resumed", 100)
+    r = run_script(args(data, tmp_path / "resumed"), PYTHONPATH=ROOT,
+                   script=wrapper(tmp_path, "forget.py", FORGET_ONE))
+    assert r.returncode == 0, r.stderr
+    with pytest.raises(AssertionError):
+        assert_resumed_exactly(state(one), state(tmp_path / "resumed"))
 
 
 def test_kill9_of_torchrun_then_the_same_command(two, data, tmp_path):
@@ -634,19 +666,25 @@ def test_ctrl_c_stops_like_sigterm_and_a_second_one_aborts(one, data, tmp_path):
     assert (log_dir / "log.txt").read_text() == (one / "log.txt").read_text()
     assert_same(state(one), state(log_dir))
 
-    from gptkit import checkpoint
-    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    try:
-        checkpoint.listen_for_stop_signals()
-        os.kill(os.getpid(), signal.SIGINT)
-        assert checkpoint.stop_requested == "Ctrl-C"
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
-    finally:
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
-        checkpoint.stop_requested = ""
+    r = subprocess.run([sys.executable, "-c", SECOND_CTRL_C], cwd=ROOT, env=one_thread(), capture_output=True,
+                       text=True, timeout=60)
+    assert r.stdout.splitlines() == ["Ctrl-C", "KeyboardInterrupt"], r.stdout + r.stderr
+
+
+# a process with the trainer's handlers on, given two Ctrl-Cs
+SECOND_CTRL_C = """
+import os, signal, time
+from gptkit.run import Run
+run = Run()
+run.listen_for_stop_signals()
+os.kill(os.getpid(), signal.SIGINT)
+print(run.stop_signal, flush=True)
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(10)
+except KeyboardInterrupt:
+    print('KeyboardInterrupt', flush=True)
+"""
 
 
 def test_one_run_per_log_dir(one, data, tmp_path):
@@ -679,12 +717,12 @@ def test_a_log_dir_without_locks_warns_and_runs(tmp_path, monkeypatch, capsys):
     warning that names run.lock, and the run goes on unprotected."""
     import errno
     import fcntl
-    from gptkit import checkpoint
+    from gptkit.run import LogDirLock
 
     def no_locks(*a):
         raise OSError(errno.ENOSYS, "Function not implemented")
     monkeypatch.setattr(fcntl, "lockf", no_locks)
-    assert checkpoint.lock_log_dir(str(tmp_path / "log")) == ""
+    assert LogDirLock(str(tmp_path / "log")).acquire() == ""
     out = capsys.readouterr().out
     assert f"warning: cannot lock {tmp_path / 'log' / 'run.lock'}" in out
     assert "Function not implemented" in out
@@ -694,14 +732,14 @@ def test_a_log_dir_without_locks_warns_and_runs(tmp_path, monkeypatch, capsys):
 
 EXTRA_KIND = """
 import runpy, sys
-from gptkit import run_record
-log = run_record.log
-def log_more(log_dir, line):  # a kind of line that a user's trainer adds, after each val line
-    log(log_dir, line)
+from gptkit.run import Run
+log = Run.log
+def log_more(self, line):  # a kind of line that a user's trainer adds, after each val line
+    log(self, line)
     step, kind, _ = line.split()
     if kind == 'val':
-        log(log_dir, f"{step} top1 0.{step}")
-run_record.log = log_more
+        log(self, f"{step} top1 0.{step}")
+Run.log = log_more
 sys.argv[0] = 'train_gpt2.py'
 runpy.run_path('train_gpt2.py', run_name='__main__')
 """
@@ -727,14 +765,14 @@ def test_a_log_kind_the_trainer_adds_is_kept_across_a_resume(data, tmp_path):
 def test_a_checkpoint_without_log_sizes_keeps_the_lines_before_its_step(tmp_path):
     """A checkpoint written before log sizes were kept: the lines of the steps before its own stay,
     whatever their kind, and a line cut short goes."""
-    from gptkit.checkpoint import prepare_log_dir
+    from gptkit.checkpoint import trim_logs
     (tmp_path / "log.txt").write_text("0 val 4.1\n0 top1 0.1\n0 train 4.0\n1 train 3.9\n2 val 3.8\n"
                                       "2 top1 0.2\n2 tr")
     (tmp_path / "samples.txt").write_text("step 0 sample 0: 'a'\nstep 2 sample 0: 'b'\n")
-    prepare_log_dir(str(tmp_path), None, 2)
+    trim_logs(str(tmp_path), None, 2)
     assert (tmp_path / "log.txt").read_text() == "0 val 4.1\n0 top1 0.1\n0 train 4.0\n1 train 3.9\n"
     assert (tmp_path / "samples.txt").read_text() == "step 0 sample 0: 'a'\n"
-    prepare_log_dir(str(tmp_path), {"log.txt": 10}, 2)  # a checkpoint's sizes; none for samples.txt
+    trim_logs(str(tmp_path), {"log.txt": 10}, 2)  # a checkpoint's sizes; none for samples.txt
     assert (tmp_path / "log.txt").read_text() == "0 val 4.1\n"
     assert (tmp_path / "samples.txt").read_text() == ""
 

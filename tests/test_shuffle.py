@@ -19,7 +19,7 @@ from gptkit.shards import DataLoaderLite
 T = 4
 VOCAB = 50304  # GPT-2's padded vocabulary: EOT (50256) is below it
 LENGTHS = [145, 121, 192, 83, 100]  # in file order: tails of 1, 9, 16, 3, 4 tokens at 16 tokens a step
-KEYS = ("epoch", "shard", "pos", "file", "shuffle", "seed")  # what state() holds at least
+KEYS = ("epoch", "shard", "pos", "file", "shuffle", "seed")  # what state_dict() holds at least
 
 
 def document_shards(folder, lengths, seed=0):
@@ -224,8 +224,8 @@ def test_same_tokens_per_step_for_any_world_size_and_accumulation(docs, world, a
     assert epochs == [s // spe for s in range(n)]
     assert_same_runs(runs, base)
     assert_same_runs(runs, [r[0] for r in reference_runs(shards, 32, n)])
-    position = {k: one[0].state()[k] for k in KEYS}
-    assert all({k: loader.state()[k] for k in KEYS} == position for loader in loaders)
+    position = {k: one[0].state_dict()[k] for k in KEYS}
+    assert all({k: loader.state_dict()[k] for k in KEYS} == position for loader in loaders)
 
 
 def resume_points():
@@ -242,20 +242,20 @@ def resume_points():
 @pytest.mark.parametrize("before,after", [((2, 1, 4), (1, 4, 2)), ((1, 4, 2), (4, 1, 2)),
                                           ((2, 2, 2), (1, 2, 4))])
 def test_resume_from_state_onto_another_layout_continues_the_stream(docs, point, before, after):
-    """state() after n steps on one layout, load_state() into fresh loaders of another (the same
+    """state_dict() after n steps on one layout, load_state_dict() into fresh loaders of another (the same
     32 tokens a step): the next 1.5 epochs are the uninterrupted loader's, and the reference's."""
     folder, shards = docs
     n = resume_points()[point]
     spe = sum((k - 1) // 32 for k in STREAMS)
     first = make_loaders(folder, *before, shuffle=True)
     read_steps(first, before[1], n)
-    state = first[0].state()
-    assert all({k: loader.state()[k] for k in KEYS} == {k: state[k] for k in KEYS} for loader in first)
+    state = first[0].state_dict()
+    assert all({k: loader.state_dict()[k] for k in KEYS} == {k: state[k] for k in KEYS} for loader in first)
     assert state["shuffle"] is True and state["seed"] == 1337
     resumed = make_loaders(folder, *after, shuffle=True)
     for loader in resumed:
-        loader.load_state(state, f"model_{n:05d}.pt")
-    assert {k: resumed[0].state()[k] for k in KEYS} == {k: state[k] for k in KEYS}
+        loader.load_state_dict(state)
+    assert {k: resumed[0].state_dict()[k] for k in KEYS} == {k: state[k] for k in KEYS}
     whole = make_loaders(folder, 1, 4, 2, shuffle=True)
     base, _ = read_steps(whole, 4, n + spe * 3 // 2)
     runs, epochs = read_steps(resumed, after[1], spe * 3 // 2)
@@ -277,7 +277,7 @@ def test_without_shuffle_the_stream_is_the_file_order(docs, kw):
     expected = [shards[s][p:p + 33] for s, p in expected_runs(LENGTHS, 32, 2 * spe + 3)]
     assert_same_runs(runs, expected)
     assert epochs == [s // spe for s in range(2 * spe + 3)]
-    assert loaders[0].state()["shuffle"] is False
+    assert loaders[0].state_dict()["shuffle"] is False
 
 
 def test_old_checkpoint_resumes_in_file_order_with_a_line(docs, capsys):
@@ -287,10 +287,10 @@ def test_old_checkpoint_resumes_in_file_order_with_a_line(docs, capsys):
     folder, shards = docs
     loader, = make_loaders(folder, 1, 2, 1, shuffle=True)  # 8 tokens a step
     capsys.readouterr()
-    loader.load_state({"shard": 1, "pos": 16, "file": "edufineweb_train_000001.npy"}, "model_00006.pt")
+    loader.load_state_dict({"shard": 1, "pos": 16, "file": "edufineweb_train_000001.npy"})
     out = capsys.readouterr().out
-    assert len(out.strip().splitlines()) == 1 and "model_00006.pt" in out, out
-    assert loader.state()["shuffle"] is False and "epoch" in loader.state()
+    assert len(out.strip().splitlines()) == 1 and "the checkpoint" in out, out
+    assert loader.state_dict()["shuffle"] is False and "epoch" in loader.state_dict()
     spe = sum((n - 1) // 8 for n in LENGTHS)
     order = expected_runs(LENGTHS, 8, 2 * spe)
     at = order.index((1, 16))
@@ -311,7 +311,7 @@ def test_another_seed_or_shuffle_than_the_checkpoint_is_a_one_line_error(docs, w
     read_steps([src], 1, 3)
     dst, = make_loaders(folder, 1, 1, 2, **loaded)
     with pytest.raises(UserError, match=re.escape(value)) as e:
-        dst.load_state(src.state(), "model_00003.pt")
+        dst.load_state_dict(src.state_dict())
     assert "\n" not in str(e.value)
 
 
@@ -359,7 +359,7 @@ def test_torchrun_two_processes_log_the_losses_and_epoch_of_one(tmp_path):
         path = os.path.join(log_dir, f"model_{STEPS:05d}.pt")
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         assert ckpt["loader"]["epoch"] == 1
-        assert {k: ckpt["loader"][k] for k in KEYS} == {k: loader.state()[k] for k in KEYS}
+        assert {k: ckpt["loader"][k] for k in KEYS} == {k: loader.state_dict()[k] for k in KEYS}
 
 
 def test_a_document_cut_at_a_shards_start_is_left_out_of_the_shuffled_order(docs):

@@ -39,8 +39,15 @@ import os, runpy, sys, time
 import torch
 import model
 from gptkit import checkpoint, distributed, shards
+from gptkit.run import Run
 rank = int(os.environ.get('RANK', 0))
 run, begun, stepping = {}, [0], []  # the raw model and the optimizer; the training steps begun; in one
+lifecycles = []  # the trainer's Run: its stop_signal says when torchrun asks this rank to stop
+run_init = Run.__init__
+def keep_run(self):
+    run_init(self)
+    lifecycles.append(self)
+Run.__init__ = keep_run
 
 
 def say(line):  # one write: the ranks' lines stay whole
@@ -309,7 +316,7 @@ def step_begins(step):
         cold_start()
     if rank == env('STALL_RANK') and step == env('STALL_STEP'):  # stuck (until torchrun stops it)
         say(f"rank {rank} stalls at step {step} at {time.time():.3f}")
-        while not checkpoint.stop_requested:
+        while not lifecycles[0].stop_signal:
             time.sleep(0.05)
         os._exit(1)
 
@@ -328,7 +335,7 @@ def slow_write(path, write_to):  # rank 0 alone: the checkpoint of step SLOW_STE
         if path.endswith(f"model_{env('SLOW_STEP'):05d}.pt"):
             say(f"rank 0 writes slowly at {t0:.3f}")
         while path.endswith(f"model_{env('SLOW_STEP'):05d}.pt") and time.time() - t0 < env('SLOW_WRITE_S'):
-            if checkpoint.stop_requested:  # a hung file system: until torchrun stops this rank
+            if lifecycles[0].stop_signal:  # a hung file system: until torchrun stops this rank
                 os._exit(1)
             time.sleep(0.05)
     return write(path, slow)

@@ -1,12 +1,5 @@
-"""
-HellaSwag, the scoring: download the val split, read and check its examples, and score a model on
-them, batched and distributed. `python hellaswag.py` (the tool) and train_gpt2.py's evals call it.
-
-An example is a context and 4 endings; each ending is scored by the loss of its tokens after the
-context. acc picks the ending of lowest summed loss, acc_norm the lowest mean loss (per token).
-Rows are rendered as build-nanogpt renders them (context tokens, then " " + ending tokens), so the
-figures compare with its published ones.
-"""
+"""HellaSwag's scoring, batched, for hellaswag.py and the trainer: an ending's loss after its context, as
+build-nanogpt renders them (its figures compare); acc picks the least summed loss, acc_norm the least mean."""
 import json
 import os
 
@@ -20,8 +13,6 @@ CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 
 
 def download(split, cache_dir=CACHE_DIR, url=None):
-    """The path of hellaswag_{split}.jsonl in cache_dir, downloaded first if missing (atomically:
-    never a half file under the final name)."""
     path = os.path.join(cache_dir, f"hellaswag_{split}.jsonl")
     if os.path.isfile(path):
         return path
@@ -48,7 +39,6 @@ def download(split, cache_dir=CACHE_DIR, url=None):
 
 
 def iterate_examples(split="val", file=None, cache_dir=CACHE_DIR):
-    """The examples of a HellaSwag jsonl file (file, else the cached/downloaded split), checked."""
     path = file or download(split, cache_dir)
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file (expected HellaSwag jsonl, one example per line)")
@@ -72,15 +62,9 @@ def iterate_examples(split="val", file=None, cache_dir=CACHE_DIR):
 
 
 def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1, one_shape=False):
-    """Rank's share of the examples, made once on the host into what ending_losses takes, on device:
-    (batches, labels). An example is one packed row: its context once, then its 4 endings, each at
-    the positions right after the context and seeing only the context and itself (as 4 separate rows
-    would, for about half the tokens). The examples are sorted by length and dealt to the ranks in turn,
-    E = batch_examples to a batch: x (E, L), the rows right-padded; seg (E, L), what each token is
-    (0 context, 1-4 an ending, 5 padding); pos (E, L), its position; at (M,), the places in x.view(-1)
-    that predict ending tokens; y (M,), those tokens; row (M,), the ending of each among all of the
-    rank's (4 * len(labels): padding). With one_shape (compiled) every batch has the largest one's
-    shape: one graph. A context too long for an ending loses tokens from the left."""
+    """This rank's examples as (batches, labels) on device, an example a row: its context, then each ending at
+    the positions right after it. A batch: x, seg (0 context, 1-4 an ending, 5 padding), pos, each (E, L);
+    at (where in x.view(-1) each ending token is predicted), y (the token), row (its ending), each (M,)."""
     enc, packed, long = get_gpt2_encoding(), [], 0
     for example in examples:
         ctx = enc.encode(example['ctx'])
@@ -91,14 +75,9 @@ def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1, on
                             f"block_size={block_size}")
         long += cut > 0
         ctx = ctx[cut:]
-        # its row, a cell (token, seg, position) per token: the context, then each ending at the positions
-        # right after the context, as if it followed the context alone
-        cells = [(t, 0, p) for p, t in enumerate(ctx)] + [
+        cells = [(t, 0, p) for p, t in enumerate(ctx)] + [  # (token, seg, position) per token
             (t, i + 1, len(ctx) + p) for i, ending in enumerate(endings) for p, t in enumerate(ending)]
-        # the ending tokens it scores, a (where, token, ending) each: where in the row the token that
-        # predicts it is, the one before it, or for an ending's first the context's last (at position
-        # p - 1); with no context, an ending's first token has nothing before it and is not scored
-        targets = [(k - 1 if p > len(ctx) else p - 1, t, s - 1)
+        targets = [(k - 1 if p > len(ctx) else p - 1, t, s - 1)  # (where its predictor is, token, ending)
                    for k, (t, s, p) in enumerate(cells) if s > 0 and p > 0]
         packed.append(dict(cells=cells, targets=targets, context=len(ctx), label=example['label']))
     if long and rank == 0:
@@ -106,31 +85,26 @@ def prepare(examples, block_size, device, batch_examples=32, rank=0, world=1, on
               f"their contexts lose tokens from the left")
     mine = sorted(packed, key=lambda p: len(p['cells']))[rank::world]  # a batch's rows are about as long
     groups = [mine[i:i + batch_examples] for i in range(0, len(mine), batch_examples)]
-    # (rows, L, M) of each batch: M, its ending tokens (all but the contexts')
+    # (E, L, M) of each batch: its rows, their length, its ending tokens
     shapes = [(len(g), max(len(p['cells']) for p in g), sum(len(p['cells']) - p['context'] for p in g))
               for g in groups]
-    if one_shape:  # (rows, L, M) of the largest
+    if one_shape:  # compiled: one graph
         shapes = [(batch_examples, max(s[1] for s in shapes), max(s[2] for s in shapes))] * len(groups)
     batches = []
     for b, (g, (E, L, M)) in enumerate(zip(groups, shapes)):
-        # each example's row right-padded to L, then rows of padding up to E: token 0, seg 5, position 0
         grid = ([p['cells'] + [(0, 5, 0)] * (L - len(p['cells'])) for p in g]
-                + [[(0, 5, 0)] * L] * (E - len(g)))
+                + [[(0, 5, 0)] * L] * (E - len(g)))  # padding: token 0, seg 5, position 0
         x, seg, pos = torch.tensor(grid).unbind(-1)  # (E, L) each
-        # the examples' targets, now with where in x.view(-1) and which ending among all of the rank's
         targets = [(r * L + k, t, 4 * (b * batch_examples + r) + i)
                    for r, p in enumerate(g) for k, t, i in p['targets']]
-        # (M,) each, after padding up to M: token 0, predicted at 0, summed in a row past the rank's endings
+        # padding up to M: token 0, predicted at 0, summed in a row past the rank's endings
         at, y, row = torch.tensor(targets + [(0, 0, 4 * len(mine))] * (M - len(targets))).unbind(-1)
         batches.append(tuple(t.to(device) for t in (x, seg, pos, at, y, row)))
     return batches, torch.tensor([p['label'] for p in mine], device=device)
 
 
 def batch_losses(model, x, seg, pos, at, y):
-    """The losses (M,) of the ending tokens y of a batch of prepare's: each one's cross-entropy, in
-    float32, after its context and the tokens before it in its ending. Shapes fixed by the batch, and
-    no op whose output's size depends on the data: nothing waits for the host, and compiled it is one
-    graph."""
+    """The losses (M,) of a batch's ending tokens, in float32; no shape depends on the data: one graph."""
     # (E, L, L): what each token sees, up to itself: the context, and its own ending
     sees = torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device).tril() & (
         (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
@@ -141,10 +115,9 @@ def batch_losses(model, x, seg, pos, at, y):
 
 
 def ending_losses(model, prepared, dtype="float32", compile=False):
-    """(sum, mean) losses of every ending of prepare's output (on the model's device), 4 per example
-    in its order: each ending token's cross-entropy after the tokens before it, in float32."""
+    """(sum, mean) loss of every ending of prepare's output, 4 per example in its order."""
     (batches, labels), device = prepared, model.lm_head.weight.device
-    model.eval()  # no dropout, whatever mode the model came in (the trainer's step sets train mode)
+    model.eval()  # no dropout (the trainer's step sets train mode again)
     f = torch.compile(batch_losses, dynamic=False) if compile else batch_losses  # one graph: dynamo keeps it
     sums = torch.zeros(2, 4 * len(labels) + 1, device=device)  # per row: summed losses, scored tokens
     with torch.no_grad(), autocast(device, dtype):
@@ -154,41 +127,33 @@ def ending_losses(model, prepared, dtype="float32", compile=False):
 
 
 def evaluate(model, prepared, dtype="float32", compile=False):
-    """(examples, correct by acc, correct by acc_norm) of prepare's output: a tensor (3,) on the
-    model's device, counted without the host; sum it over ranks for the whole set."""
+    """(examples, correct by acc, correct by acc_norm) on the model's device: sum it over the ranks."""
     labels = prepared[1]
-    # (2, examples): each one's pick by acc (the lowest summed loss), by acc_norm (the lowest mean)
-    picks = torch.stack([loss.view(-1, 4).argmin(1)
-                         for loss in ending_losses(model, prepared, dtype, compile)])
+    picks = torch.stack(ending_losses(model, prepared, dtype, compile)).view(2, -1, 4).argmin(2)
     return torch.cat((labels.new_tensor([len(labels)]), (picks == labels).sum(1)))
 
 
 def examples_per_batch(B, T):
-    """The trainer's HellaSwag batch: about as many tokens as a training micro-batch of B sequences of T
-    (an example packs fewer than 256), at most 32: it fits where a step fits."""
+    # about a training micro-batch's tokens (an example packs fewer than 256): it fits where a step fits
     return max(1, min(32, B * T // 256))
 
 
-def load_for_training(file, model, batch_examples, device, one_shape=False):
-    """For train_gpt2.py's evals: this rank's batches of the val examples (file, else the cached or
-    downloaded split), prepared and on the device once for the whole run. A run that cannot score
-    them stops here, before its first step, with one line (a UserError on every rank): HellaSwag is
-    never silently off."""
+def load_for_training(file, model, B, T, device, one_shape=False):
+    """This rank's val examples, prepared once; if they cannot be scored, every rank stops before step 0."""
     from gptkit import distributed  # the trainer's path only: `python hellaswag.py` needs no process group
     examples, why = None, None
     if model.config.vocab_size < N_VOCAB:
         why = f"vocab_size={model.config.vocab_size} is smaller than GPT-2's {N_VOCAB}"
     else:
         path = file or os.path.join(CACHE_DIR, 'hellaswag_val.jsonl')
-        # the split: downloaded once per node (LOCAL_RANK 0), as nodes may not share ./hellaswag/; the
-        # others wait for it in the collective below; on a shared folder each rename is atomic
+        # downloaded once per node, as nodes may not share ./hellaswag/ (where they do, a rename is atomic)
         if not file:
             if int(os.environ.get('LOCAL_RANK', 0)) == 0:
                 try:
                     download('val')  # nothing to do once cached
                 except UserError as e:
                     why = str(e)
-            distributed.barrier()  # each node's download first, however long (within the first step's timeout)
+            distributed.barrier()  # each node's download first, however long
         examples = list(iterate_examples(file=path)) if os.path.isfile(path) else None  # bad data: UserError
         if examples == []:  # every rank reads the same file: all stop here, before step 0
             raise UserError(f"{path}: no HellaSwag examples in it")
@@ -196,5 +161,5 @@ def load_for_training(file, model, batch_examples, device, one_shape=False):
         why = why or (f"{path} not found" if examples is None else "not on every node")
         raise UserError(f"no HellaSwag eval: {why}; pass --hellaswag_file=PATH "
                         f"(a HellaSwag val jsonl file) or --hellaswag=False")
-    return prepare(examples, model.config.block_size, device, batch_examples, distributed.rank(),
+    return prepare(examples, model.config.block_size, device, examples_per_batch(B, T), distributed.rank(),
                    distributed.world_size(), one_shape)
