@@ -149,8 +149,7 @@ sharded = ddp and parallel == 'fsdp'
 # stopped run), fresh, or OpenAI's/HF's weights. Missing data is said first;
 # then rank 0 locks log_dir (one run per log_dir) and picks the checkpoint.
 shards.find_shards(data_root, 'train')
-run.start(config)
-ckpt = run.find_checkpoint()
+ckpt = run.start(config)
 # the same init on every rank
 torch.manual_seed(seed)
 if ckpt is not None:
@@ -281,8 +280,7 @@ for step in range(start_step, max_steps + 1):
         if not run.evaluated:
             save_checkpoint(None)
         run.stop(step)
-    periodic = checkpoint_interval > 0 and step > 0 and step % checkpoint_interval == 0
-    do_checkpoint = last_step or periodic
+    do_checkpoint = last_step or (checkpoint_interval > 0 and step > 0 and step % checkpoint_interval == 0)
     do_eval = eval_interval > 0 and (step % eval_interval == 0 or last_step or do_checkpoint)
     do_sample = sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step)
     if not run.evaluated and (do_eval or do_sample or do_checkpoint):

@@ -81,7 +81,8 @@ class Run:
         return datetime.timedelta(seconds=seconds)
 
     def start(self, config):
-        """Rank 0 locks log_dir for the life of the run; a UserError if another run holds it."""
+        """Rank 0 locks log_dir for the life of the run (a UserError if another run holds it); then
+        the checkpoint to resume from, or None (checkpoint.find_checkpoint)."""
         self.config, self.log_dir = config, config['log_dir']
         busy = ''
         if distributed.rank() == 0:
@@ -89,10 +90,7 @@ class Run:
             busy = self.lock.acquire()
         if distributed.max_over_ranks(bool(busy)):
             raise UserError(busy or f"log_dir={self.log_dir} is in use by another run")
-
-    def find_checkpoint(self):
-        """The checkpoint to resume from, or None (checkpoint.find_checkpoint)."""
-        self.checkpoint_path, ckpt = checkpoint.find_checkpoint(self.log_dir, self.config['resume'])
+        self.checkpoint_path, ckpt = checkpoint.find_checkpoint(self.log_dir, config['resume'])
         return ckpt
 
     def resume(self, ckpt, state, device):

@@ -129,12 +129,15 @@ def test_wsd_resumes_in_its_stable_phase_with_a_raised_max_steps(muon1, data, tm
 
 def test_a_new_schedule_is_a_change_to_train_gpt2_alone(data, tmp_path):
     """Issue 43.2: a linear decay to zero, added as a user would (a branch in get_lr, its name in
-    LR_SCHEDULES) to a copy of train_gpt2.py and nothing else, runs with --lr_schedule=linear and
-    logs the lr it gives: max_lr * (max_steps - step) / (max_steps - warmup_steps) after warmup."""
+    the check of the schedules above it) to a copy of train_gpt2.py and nothing else, runs with
+    --lr_schedule=linear and logs the lr it gives: max_lr * (max_steps - step) / (max_steps -
+    warmup_steps) after warmup."""
     source = open(os.path.join(ROOT, "train_gpt2.py")).read()
-    source = source.replace("if lr_schedule not in ('cosine', 'wsd'):",
-                            "if lr_schedule not in ('cosine', 'wsd', 'linear'):")
+    check = "if lr_schedule not in ('cosine', 'wsd'):"
+    assert source.count(check) == 1  # else the edit below would do nothing
+    source = source.replace(check, "if lr_schedule not in ('cosine', 'wsd', 'linear'):")
     branch = "    if lr_schedule == 'cosine':"
+    assert source.count(branch) == 1
     linear = ("    if lr_schedule == 'linear':\n"
               "        return max_lr * (max_steps - it) / (max_steps - warmup_steps)\n")
     source = source.replace(branch, linear + branch)
