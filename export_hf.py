@@ -107,7 +107,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         export(args.checkpoint, args.out_dir)
-    except (UserError, ValueError, FileNotFoundError) as e:  # ValueError: model.py's checkpoint reader
+    except (UserError, ValueError, FileNotFoundError) as e:  # ValueError: loading.py's reader
         sys.exit(f"error: {e}")
     print(f"wrote {args.out_dir}: load it with "
           f"transformers.AutoModelForCausalLM.from_pretrained({args.out_dir!r})")

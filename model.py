@@ -254,6 +254,10 @@ class GPT(nn.Module):
                     raise ValueError(f"{source}: key {k!r} has shape {tuple(w.shape)}{conv1d}, "
                                      f"expected {tuple(sd[k].shape)} for {config}")
                 sd[k].copy_(w)
+            head = sd_hf.get('lm_head.weight')
+            if head is not None and not torch.equal(head, sd['lm_head.weight']):
+                raise ValueError(f"{source}: lm_head.weight differs from transformer.wte.weight; "
+                                 f"GPT-2 ties them")
         return model
 
     @torch.no_grad()

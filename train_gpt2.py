@@ -334,7 +334,7 @@ for step in range(start_step, max_steps + 1):
             texts = [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]
             run.samples([f"step {step} sample {i}: {text!r}" for i, text in enumerate(texts)])
         if sharded:
-            del eval_model
+            eval_model = None  # the gathered copy goes
         run.evals_done(do_eval)
         if do_checkpoint:
             save_checkpoint(val_loss)
@@ -406,10 +406,10 @@ for step in range(start_step, max_steps + 1):
     scale = scaler.get_scale() if finite_loss and not finite_norm else 0
     scaler.update()
     overflow = scale > 1 and scaler.get_scale() < scale
-    run.end_step(good=finite_loss and finite_norm, overflow=overflow)
     # waits for the step to finish: dt is its real time
     loss = loss_accum.item()
     dt = time.time() - t0
+    run.end_step(good=finite_loss and finite_norm, overflow=overflow)
     # the first step compiles: the ETA counts from its end
     if step == start_step:
         t_first = time.time()

@@ -146,8 +146,8 @@ def load_state(state, ckpt, path):
     own settings (lr, weight decay); an entry the checkpoint lacks starts afresh, and says so."""
     for key, obj in state.items():
         saved = ckpt.get(key)
-        if not saved:  # a GradScaler that was off saved {}; an entry added since
-            if key not in ckpt and distributed.rank() == 0:
+        if not saved:  # a GradScaler that was off saved {}; an entry added since the checkpoint
+            if key not in ckpt and distributed.rank() == 0 and obj.state_dict():
                 print(f"warning: {path} holds no {key!r}: it starts afresh")
             continue
         if isinstance(obj, torch.optim.Optimizer):
@@ -156,8 +156,10 @@ def load_state(state, ckpt, path):
             obj.load_state_dict(saved)
         except UserError as e:  # the loader's: another data_root or shuffle
             raise UserError(f"{path}: {e}") from None
-        if isinstance(obj, torch.optim.Optimizer):  # on a CPU these would alias the memory map
-            for s in obj.state.values():
+        # an optimizer's state (FSDP's too) on a CPU would alias the checkpoint's memory map
+        optimizer = getattr(obj, 'optimizer', obj)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for s in optimizer.state.values():
                 s.update({k: v.clone() for k, v in s.items() if torch.is_tensor(v) and v.is_cpu})
 
 

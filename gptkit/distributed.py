@@ -104,9 +104,11 @@ def wait_for_all():
     if world_size() == 1:
         return
     store = dist.distributed_c10d._get_default_store()
-    n = store.add(f'wait_for_all/calls/{rank()}', 1)
-    store.set(f'wait_for_all/{n}/{rank()}', '')
-    keys = [f'wait_for_all/{n}/{r}' for r in range(world_size())]
+    # keyed by torchrun's attempt too: a shared store outlives a restarted group's counts
+    attempt = f"wait_for_all/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    n = store.add(f'{attempt}/calls/{rank()}', 1)
+    store.set(f'{attempt}/{n}/{rank()}', '')
+    keys = [f'{attempt}/{n}/{r}' for r in range(world_size())]
     store.wait(keys, timedelta(seconds=WAIT_FOR_ALL_TIMEOUT))
 
 

@@ -164,7 +164,7 @@ def fitting_B(plan):
 
 
 def out_of_memory(B, plan=None):
-    """The one line for the device out of memory at micro-batch B (gptkit/distributed.py prints it)."""
+    """The one line for the device out of memory at micro-batch B (gptkit/run.py:Run.excepthook prints it)."""
     if not plan:  # B is a number: nothing was counted
         return (f"error: out of memory at B={B} on the device: lower B, or free the device's memory "
                 f"(the last checkpoint stands)")

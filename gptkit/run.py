@@ -69,9 +69,11 @@ class Run:
             print(line, file=sys.__stderr__, flush=True)
 
     def release(self):
-        distributed.end_process_group(finished=not self.failed)
-        if self.lock is not None:
-            self.lock.release()
+        try:
+            distributed.end_process_group(finished=not self.failed)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     def first_step_timeout(self, collective_timeout, evals):
         """The timeout until the first step and evals are done (each rank compiles at its own pace)."""
@@ -83,7 +85,7 @@ class Run:
     def start(self, config):
         """Rank 0 locks log_dir for the life of the run (a UserError if another run holds it); then
         the checkpoint to resume from, or None (checkpoint.find_checkpoint)."""
-        self.config, self.log_dir = config, config['log_dir']
+        self.config, self.log_dir, self.memory = config, config['log_dir'], (config['B'], None)
         busy = ''
         if distributed.rank() == 0:
             self.lock = LogDirLock(self.log_dir)
@@ -105,8 +107,8 @@ class Run:
         self.logs = ckpt.get('logs')  # None in checkpoints older than the sizes
         max_steps, max_bad_steps = self.config['max_steps'], self.config['max_bad_steps']
         if distributed.rank() == 0:
-            print(f"resuming from {path}: step {step}, train data at {ckpt['loader']['file']} "
-                  f"token {ckpt['loader']['pos']:,}")
+            at = state['loader'].state_dict()
+            print(f"resuming from {path}: step {step}, train data at {at['file']} token {at['pos']:,}")
         if self.bad_steps >= max_bad_steps:  # not for an automatic restart to push on: a person decides
             raise UserError(f"{path} was written after {self.bad_steps} steps in a row with a non-finite "
                             f"loss or gradient norm, and max_bad_steps={max_bad_steps}: to go on (after "

@@ -101,6 +101,10 @@ def test_from_pretrained_errors(tmp_path):
     with pytest.raises(ValueError, match=r"'transformer\.h\.1\.mlp\.c_fc\.weight' has shape \(200, 64\) "
                                          r"\(transposed from Conv1D\), expected \(256, 64\)"):
         GPT.from_pretrained(str(tmp_path))
+    untied = dict(sd, **{"lm_head.weight": sd["transformer.wte.weight"] + 1})
+    save_file(untied, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="lm_head.weight differs from transformer.wte.weight"):
+        GPT.from_pretrained(str(tmp_path))
     sd["transformer.h.0.attn.extra.weight"] = torch.zeros(2)
     save_file(sd, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"unexpected key 'transformer\.h\.0\.attn\.extra\.weight'"):
