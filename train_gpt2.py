@@ -262,8 +262,7 @@ run.begin(dict(config, B=micro_B, micro_batch=why_B), start_step)
 
 def save_checkpoint(val_loss):
     """log_dir/model_{step:05d}.pt: the state after `step` updates (every rank)."""
-    shape = vars(raw_model.config)
-    extra = {'config': shape, 'train_config': config, 'val_loss': val_loss}
+    extra = {'config': vars(raw_model.config), 'train_config': config, 'val_loss': val_loss}
     run.save(step, state, extra)
 
 
@@ -333,8 +332,9 @@ for step in range(start_step, max_steps + 1):
                 out = eval_model.generate(tokens, sample_length, top_k=50, generator=rng)
             texts = [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]
             run.samples([f"step {step} sample {i}: {text!r}" for i, text in enumerate(texts)])
+        # FSDP: the gathered copy goes
         if sharded:
-            eval_model = None  # the gathered copy goes
+            eval_model = None
         run.evals_done(do_eval)
         if do_checkpoint:
             save_checkpoint(val_loss)

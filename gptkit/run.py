@@ -127,7 +127,7 @@ class Run:
             checkpoint.trim_logs(self.log_dir, self.logs, start)
             if config['wandb_log']:
                 self.start_wandb(config)
-        self.write_run_json(config, start, self.checkpoint_path, self.device)
+        self.write_run_json(config, start)
 
     def listen_for_stop_signals(self):
         """SIGTERM and a first Ctrl-C set a flag; a second Ctrl-C raises KeyboardInterrupt at once."""
@@ -202,8 +202,9 @@ class Run:
             raise UserError(f"wandb_log=True: wandb.init failed ({type(e).__name__}: {e}); WANDB_MODE="
                             f"offline logs without a login or network, for `wandb sync` later") from None
 
-    def write_run_json(self, config, start, resumed_from, device):
+    def write_run_json(self, config, start):
         """This start's entry: the config, the code's commit, versions, hosts and devices."""
+        device = self.device
         mine = platform.node(), f"{device}: {device_name(device)}"
         hosts, devices = zip(*distributed.gather_objects(mine))
         if distributed.rank() > 0:
@@ -219,7 +220,7 @@ class Run:
         from gptkit.shards import dataset_of
         entry = {
             'started': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-            'start_step': start, 'resumed_from': resumed_from, 'command': sys.argv,
+            'start_step': start, 'resumed_from': self.checkpoint_path, 'command': sys.argv,
             'git_commit': commit, 'git_modified': None if commit is None else bool(dirty),
             'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,
             'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if device.startswith('cuda') else None,
