@@ -149,7 +149,7 @@ sharded = ddp and parallel == 'fsdp'
 # stopped run), fresh, or OpenAI's/HF's weights. Missing data is said first;
 # then rank 0 locks log_dir (one run per log_dir) and picks the checkpoint.
 shards.find_shards(data_root, 'train')
-ckpt = run.start(config)
+ckpt = run.start(config, dev)
 # the same init on every rank
 torch.manual_seed(seed)
 if ckpt is not None:
@@ -219,7 +219,7 @@ state = {'model': raw_model, 'optimizer': opt, 'scaler': scaler, 'loader': train
 if sharded:
     state.update(fsdp.checkpoint_entries(raw_model, opt))
 # each entry back as the checkpoint holds it (a finished run exits here)
-start_step = run.resume(ckpt, state, dev)
+start_step = run.resume(ckpt, state)
 del ckpt
 # static shapes: one graph. The evals run it without DDP (each rank its own
 # batches)

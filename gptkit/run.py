@@ -82,10 +82,11 @@ class Run:
         self.short_timeout, self.evals_built = collective_timeout, not evals
         return datetime.timedelta(seconds=seconds)
 
-    def start(self, config):
+    def start(self, config, device):
         """Rank 0 locks log_dir for the life of the run (a UserError if another run holds it); then
         the checkpoint to resume from, or None (checkpoint.find_checkpoint)."""
-        self.config, self.log_dir, self.memory = config, config['log_dir'], (config['B'], None)
+        self.config, self.log_dir, self.device = config, config['log_dir'], device
+        self.memory = config['B'], None
         busy = ''
         if distributed.rank() == 0:
             self.lock = LogDirLock(self.log_dir)
@@ -95,14 +96,14 @@ class Run:
         self.checkpoint_path, ckpt = checkpoint.find_checkpoint(self.log_dir, config['resume'])
         return ckpt
 
-    def resume(self, ckpt, state, device):
+    def resume(self, ckpt, state):
         """The step to start from: every entry of state, the RNG and the counters as the checkpoint
         holds them (0 for a fresh run). A run stopped for its bad steps, or done, goes no further."""
-        self.device, path = device, self.checkpoint_path
+        path = self.checkpoint_path
         if ckpt is None:
             return 0
         checkpoint.load_state(state, ckpt, path)
-        checkpoint.set_rng_state(ckpt['rng'], device)
+        checkpoint.set_rng_state(ckpt['rng'], self.device)
         step, self.evaluated, self.bad_steps = ckpt['step'], ckpt['evaluated'], ckpt['bad_steps']
         self.logs = ckpt.get('logs')  # None in checkpoints older than the sizes
         max_steps, max_bad_steps = self.config['max_steps'], self.config['max_bad_steps']

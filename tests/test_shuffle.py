@@ -12,6 +12,7 @@ import torch
 
 from conftest import TINY, read_log, run_script, write_shards
 from test_data import expected_runs
+from gptkit import checkpoint
 from gptkit.tokenizer import EOT
 from gptkit.common import UserError
 from gptkit.shards import DataLoaderLite
@@ -313,6 +314,9 @@ def test_another_seed_or_shuffle_than_the_checkpoint_is_a_one_line_error(docs, w
     with pytest.raises(UserError, match=re.escape(value)) as e:
         dst.load_state_dict(src.state_dict())
     assert "\n" not in str(e.value)
+    # resumed by the trainer, the line names the checkpoint's file
+    with pytest.raises(UserError, match=re.escape(f"log/model_00003.pt: {e.value}")):
+        checkpoint.load_state({"loader": dst}, {"loader": src.state_dict()}, "log/model_00003.pt")
 
 
 # the slow one: real processes, one plain run and one of torchrun's 2
