@@ -1,7 +1,7 @@
 """bench.py's profile: the kernels of a compiled GPT-2 step on an H200 go to the right kinds."""
 import pytest
 
-import forked
+import commands
 from conftest import one_thread
 from bench import kernel_kind
 
@@ -37,8 +37,8 @@ def test_bench_step_takes_B_auto_as_the_trainer_does():
             "--dtype=float32", "--compile=False"]
     args = [*tiny, "--B=auto", "--T=32", "--total_batch_size=128", "--bench_baseline=False",
             "--bench_steps=1", "--bench_warmup=0"]
-    r = forked.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                   env=one_thread())
+    r = commands.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True, text=True,
+                     timeout=300, env=one_thread())
     assert r.returncode == 0, r.stderr[-3000:]
     assert "B=4 (auto): " in r.stdout and "batch: B=4 T=32 grad_accum=1 " in r.stdout, r.stdout[-3000:]
 

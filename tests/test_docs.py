@@ -6,7 +6,7 @@ import os
 import re
 import sys
 
-import forked
+import commands
 from conftest import ROOT, one_thread
 
 REF = re.compile(r"`([A-Za-z_][\w/]*\.py):([A-Za-z_][\w.]*)`")
@@ -75,7 +75,7 @@ def read(*path):
     return open(os.path.join(ROOT, *path)).read()
 
 
-def commands(block):
+def bash_lines(block):
     """The lines of a ```bash block's body, continued lines joined, comments and blank lines out."""
     lines = [line.split("  #")[0].strip() for line in block.replace("\\\n", " ").splitlines()]
     return [line for line in lines if line and not line.startswith("#")]
@@ -83,7 +83,7 @@ def commands(block):
 
 def bash_block(text, after):
     """The commands of the first ```bash block after the text `after`."""
-    return commands(text[text.index(after):].split("```bash\n", 1)[1].split("```", 1)[0])
+    return bash_lines(text[text.index(after):].split("```bash\n", 1)[1].split("```", 1)[0])
 
 
 def run_command(line, cwd, *extra):
@@ -92,7 +92,7 @@ def run_command(line, cwd, *extra):
     import sys
     words = shlex.split(line)
     assert words[0] == "python" and words[1].endswith(".py"), line
-    r = forked.run([sys.executable, os.path.join(ROOT, words[1]), *words[2:], *extra], cwd=cwd,
+    r = commands.run([sys.executable, os.path.join(ROOT, words[1]), *words[2:], *extra], cwd=cwd,
                    capture_output=True, text=True, timeout=300, env=one_thread())
     assert r.returncode == 0, (line, r.stdout[-2000:], r.stderr[-2000:])
     return r
@@ -126,7 +126,7 @@ def test_slurm_lead_time_is_one_figure():
 def readme_commands():
     """Every command of the README's ```bash blocks, in order ('a && b' is two; continued lines joined)."""
     blocks = re.findall(r"```bash\n(.*?)```", read("README.md"), re.S)
-    return [c.strip() for block in blocks for line in commands(block) for c in line.split(" && ")]
+    return [c.strip() for block in blocks for line in bash_lines(block) for c in line.split(" && ")]
 
 
 def left_out(command):
@@ -148,9 +148,9 @@ def test_readme_commands_run_in_order(tmp_path):
     "Looking at a run" lines plot, sample and export it. What is left out is left out by rule."""
     import shlex
     from conftest import random_shards
-    commands = readme_commands()
-    run_here = [c for c in commands if left_out(c) is None]
-    assert len(commands) - len(run_here) == 15, [c for c in commands if left_out(c)]
+    lines = readme_commands()
+    run_here = [c for c in lines if left_out(c) is None]
+    assert len(lines) - len(run_here) == 15, [c for c in lines if left_out(c)]
     assert run_here == ["python fineweb.py --demo", "python train_gpt2.py config/demo_cpu.py",
                         "torchrun --standalone --nproc_per_node=2 train_gpt2.py config/demo_cpu.py "
                         "--log_dir=log_demo_ddp",
@@ -169,7 +169,7 @@ def test_readme_commands_run_in_order(tmp_path):
         if words[0] == "torchrun":
             cmd = [sys.executable, "-m", "torch.distributed.run", *words[1:3], os.path.join(ROOT, words[3]),
                    *words[4:], *extra]
-            r = forked.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=one_thread())
+            r = commands.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=one_thread())
             assert r.returncode == 0, (command, r.stdout[-2000:], r.stderr[-2000:])
         else:
             r = run_command(command, tmp_path, *extra)
@@ -195,8 +195,8 @@ def test_own_documents_commands_of_data_md(tmp_path):
     stopped after 2 steps here), and without --shard_size a small corpus gets the warning the
     docs quote (smaller steps here: the commands' work, not the model's)."""
     import json
-    commands = bash_block(read("docs", "data.md"), "## Training on your own documents")
-    assert len(commands) == 2 and "--shard_size" in commands[0], commands
+    lines = bash_block(read("docs", "data.md"), "## Training on your own documents")
+    assert len(lines) == 2 and "--shard_size" in lines[0], lines
     (tmp_path / "my_corpus").mkdir()
     words = "the of a model data train token shard loss step learning rate batch value".split()
     for i in range(2):  # the size the docs give the example: a few hundred KB, about 100,000 tokens
@@ -206,18 +206,18 @@ def test_own_documents_commands_of_data_md(tmp_path):
                 f.write(json.dumps({"text": text}) + "\n")
     (tmp_path / "config").symlink_to(os.path.join(ROOT, "config"))  # commands run from the project's folder
     size = sum(os.path.getsize(p) for p in glob.glob(str(tmp_path / "my_corpus" / "*")))
-    r = run_command(commands[0], tmp_path)
+    r = run_command(lines[0], tmp_path)
     assert "warning" not in r.stdout + r.stderr
     tokens = int(re.search(r"done: ([\d,]+) tokens", r.stdout).group(1).replace(",", ""))
     assert 200_000 < size < 900_000 and 80_000 < tokens < 150_000, (size, tokens)
     assert len(glob.glob(str(tmp_path / "my_data" / "local_train_*.npy"))) >= 4  # named as local files'
-    run_command(commands[1], tmp_path, "--max_steps=2", "--device=cpu", "--dtype=float32",
+    run_command(lines[1], tmp_path, "--max_steps=2", "--device=cpu", "--dtype=float32",
                 "--val_tokens=1024", "--sample_interval=0", "--total_batch_size=1024", "--B=4")
     assert "2 val " in (tmp_path / "log_my_data" / "log.txt").read_text()
-    one_shard = commands[0].replace(" --shard_size 20000", "").replace("my_data", "my_data_one_shard")
+    one_shard = lines[0].replace(" --shard_size 20000", "").replace("my_data", "my_data_one_shard")
     r = run_command(one_shard, tmp_path)
     assert "warning: only the val shard was written" in r.stdout + r.stderr
-    r = forked.run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), "config/demo_cpu.py",
+    r = commands.run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), "config/demo_cpu.py",
                     "--data_root=my_data_one_shard", "--log_dir=log_one_shard"], cwd=tmp_path,
                    capture_output=True, text=True, timeout=300, env=one_thread())
     assert r.returncode == 1, r.stderr

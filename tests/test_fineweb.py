@@ -12,7 +12,7 @@ import pytest
 
 import fineweb
 from gptkit import shards
-import forked
+import commands
 from conftest import ROOT, one_thread
 from gptkit.shards import DataLoaderLite
 
@@ -167,12 +167,12 @@ def test_kill_9_then_rerun_is_byte_identical(tmp_path):
             f.write(json.dumps({"text": " ".join(map(str, rng.integers(0, 10 ** 6, 1500)))}) + "\n")
     cmd = [sys.executable, "fineweb.py", "--dataset", str(tmp_path / "big.jsonl"), "--shard_size", "100000",
            "--num_proc=1"]
-    ref = forked.run(cmd + ["--out_dir", str(tmp_path / "ref")], cwd=ROOT, capture_output=True, text=True,
+    ref = commands.run(cmd + ["--out_dir", str(tmp_path / "ref")], cwd=ROOT, capture_output=True, text=True,
                      env=one_thread())
     assert ref.returncode == 0, ref.stderr
     n_shards = len(shard_files(tmp_path / "ref"))
     out = tmp_path / "out"
-    proc = forked.Popen(cmd + ["--out_dir", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = commands.Popen(cmd + ["--out_dir", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE, env=one_thread())
     manifest = out / fineweb.MANIFEST
     deadline = time.time() + 60
@@ -187,7 +187,7 @@ def test_kill_9_then_rerun_is_byte_identical(tmp_path):
     proc.wait()
     state = json.loads(manifest.read_text())
     assert not state["complete"] and len(state["shards"]) < n_shards  # it really was cut short
-    again = forked.run(cmd + ["--out_dir", str(out)], cwd=ROOT, capture_output=True, text=True,
+    again = commands.run(cmd + ["--out_dir", str(out)], cwd=ROOT, capture_output=True, text=True,
                        env=one_thread())
     assert again.returncode == 0, again.stderr
     assert "resuming: reused" in again.stdout
@@ -311,7 +311,7 @@ def test_demo_corpus_is_deterministic(tmp_path, enc):
     first = list(fineweb.iter_demo())
     assert len(first) > 500 and any("def " in d for d in first)
     for n in (1, 2):
-        r = forked.run([sys.executable, "fineweb.py", "--demo", "--out_dir", str(tmp_path / f"d{n}")],
+        r = commands.run([sys.executable, "fineweb.py", "--demo", "--out_dir", str(tmp_path / f"d{n}")],
                        cwd=ROOT, capture_output=True, text=True, env=one_thread())
         assert r.returncode == 0, r.stderr
     a, b = shard_files(tmp_path / "d1"), shard_files(tmp_path / "d2")

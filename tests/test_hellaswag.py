@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import forked
+import commands
 from conftest import one_thread
 import hellaswag
 from gptkit import hellaswag_eval as scoring
@@ -318,7 +318,7 @@ def test_standalone_cli(tmp_path, hf_and_ours):
     want = f"acc: {c / n:.4f} acc_norm: {cn / n:.4f}"
     torch.save({"model": ours.state_dict(), "config": ours.config.__dict__}, tmp_path / "model_00001.pt")
     def run(*args):
-        return forked.run([sys.executable, "hellaswag.py", *args], cwd=ROOT, capture_output=True, text=True,
+        return commands.run([sys.executable, "hellaswag.py", *args], cwd=ROOT, capture_output=True, text=True,
                           env=one_thread())
     data = str(tmp_path / "h.jsonl")
     for model in (tmp_path / "hfdir", tmp_path / "model_00001.pt", tmp_path):  # a log_dir: its newest

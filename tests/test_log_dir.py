@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-import forked
+import commands
 from conftest import ROOT, TINY, one_thread, random_shards, run_script
 from gptkit.run import LogDirLock
 
@@ -63,9 +63,9 @@ def test_a_run_that_ends_removes_its_run_lock(data, tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(log_dir)) == ["log.txt", "model_00005.pt", "run.json"]
 
-    p = forked.Popen([sys.executable, "train_gpt2.py", *ARGS, f"--data_root={data}", f"--log_dir={log_dir}",
-                      "--max_steps=1000"], cwd=ROOT, env=one_thread(PYTHONUNBUFFERED="1"), stdout=forked.PIPE,
-                     stderr=forked.STDOUT, text=True, start_new_session=True)
+    p = commands.Popen([sys.executable, "train_gpt2.py", *ARGS, f"--data_root={data}", f"--log_dir={log_dir}",
+                        "--max_steps=1000"], cwd=ROOT, env=one_thread(PYTHONUNBUFFERED="1"),
+                       stdout=commands.PIPE, stderr=commands.STDOUT, text=True, start_new_session=True)
     t0 = time.time()
     while "\n8 train " not in "\n" + (log_dir / "log.txt").read_text():  # training, past its resume
         assert p.poll() is None and time.time() - t0 < 120, p.stdout.read()

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-import forked
+import commands
 from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
-from forked import children, kill_job
+from commands import children, kill_job
 from test_resume import assert_same
 
 STEPS = 16
@@ -164,7 +164,7 @@ def two_nodes(rdzv_id):
 
 def start_node(cmd, cwd, env):
     """One node's torchrun, in the background, in a session of its own (finish waits for it)."""
-    return forked.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return commands.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                         start_new_session=True)
 
 

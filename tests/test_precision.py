@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from gptkit import hardware
 from gptkit.configurator import trainer_defaults
-import forked
+import commands
 import test_resume
 from conftest import ROOT, one_thread, read_log, run_script
 from test_resume import args, assert_same, state, wait_for_step
@@ -180,7 +180,7 @@ def test_float16_resumes_bit_identically_after_kill9(fp16, data, tmp_path):
     ref, _ = fp16
     log_dir = tmp_path / "log"
     run_args = args(data, log_dir, *FP16, "--max_bad_steps=1")
-    p = forked.Popen([sys.executable, poison_script(tmp_path, [10]), *run_args],
+    p = commands.Popen([sys.executable, poison_script(tmp_path, [10]), *run_args],
                      cwd=ROOT, env=one_thread(PYTHONUNBUFFERED="1", PYTHONPATH=ROOT),
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for_step(log_dir, 22, p)
@@ -197,7 +197,7 @@ def test_float16_resumes_bit_identically_after_kill9(fp16, data, tmp_path):
 def torchrun(script, run_args):
     """script (train_gpt2.py wrapped, with a fault) run by torchrun with 2 processes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    return forked.run([*cmd, *run_args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    return commands.run([*cmd, *run_args], cwd=ROOT, capture_output=True, text=True, timeout=300,
                       env=one_thread(PYTHONPATH=ROOT))
 
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-import forked
+import commands
 from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script, write_shards
-from forked import children, kill_job
+from commands import children, kill_job
 from gptkit.checkpoint import RESUME_KEYS
 
 MAX_STEPS = 120
@@ -63,7 +63,7 @@ def start(cmd_args, nproc=None, torchrun_args=(), **kw):
     cmd = [sys.executable]
     if nproc is not None:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
-    return forked.Popen([*cmd, "train_gpt2.py", *cmd_args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    return commands.Popen([*cmd, "train_gpt2.py", *cmd_args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
 
 

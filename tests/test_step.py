@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import forked
+import commands
 from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
 
 COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=128", "--val_tokens=256",
@@ -115,12 +115,12 @@ def start(script, tmp_path, args, nproc, env=()):
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     env = one_thread(PYTHONUNBUFFERED="1", PYTHONPATH=ROOT, **dict(env))
     cmd = [*launcher, str(tmp_path / "script.py"), *args]
-    return forked.Popen(cmd, cwd=ROOT, env=env, stdout=forked.PIPE, stderr=forked.PIPE, text=True)
+    return commands.Popen(cmd, cwd=ROOT, env=env, stdout=commands.PIPE, stderr=commands.PIPE, text=True)
 
 
 def ended(p, timeout=300):
-    """The started run p to its end (forked.finish), with `ended`, the time it did."""
-    r = forked.finish(p, timeout)
+    """The started run p to its end (commands.finish), with `ended`, the time it did."""
+    r = commands.finish(p, timeout)
     r.ended = time.time()
     return r
 
@@ -363,8 +363,7 @@ def since(event, r):
 
 
 # The waits' runs mostly sleep (for a timeout, a slow write): they run at once, started one after
-# another from this thread (a fork never copies a thread that holds a lock: torchrun's launchers, forked,
-# have their workers forked by a copy made before their threads, tests/forked.py), then awaited in threads.
+# another from this thread, then awaited in threads.
 # One xdist worker runs them all (loadgroup): the other is free for the rest of the suite.
 SLOW_FIRST_TIMEOUT = 10  # the slow first eval and step: 2.5x this in all
 WAIT_RUNS = {

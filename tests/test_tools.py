@@ -13,7 +13,7 @@ import torch
 
 import plot
 import sample
-import forked
+import commands
 from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
 from model import GPT
 
@@ -22,7 +22,7 @@ ARGS = [*TINY, "--B=2", "--T=16", "--total_batch_size=64", "--eval_interval=3", 
 
 
 def tool(*args, env=None):
-    return forked.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    return commands.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
                       env=dict(one_thread(), **(env or {})))
 
 

@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import torch
 
-import forked
+import commands
 from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script, write_shards
 from gptkit.hardware import cpu_has_bf16
 from model import GPT, GPTConfig
@@ -188,7 +188,7 @@ def test_quick_start_pipeline(tmp_path):
     import sys
     from conftest import ROOT
     data, log_dir = tmp_path / "demo", tmp_path / "log"
-    r = forked.run([sys.executable, "fineweb.py", "--demo", "--out_dir", str(data)], cwd=ROOT,
+    r = commands.run([sys.executable, "fineweb.py", "--demo", "--out_dir", str(data)], cwd=ROOT,
                    capture_output=True, text=True, env=one_thread())
     assert r.returncode == 0, r.stderr
     r = run_script(["config/demo_cpu.py", f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=4",
