@@ -28,6 +28,8 @@ PRELOAD = ["torch", "torch._dynamo", "numpy", "tiktoken"]
 # prefixes of the variables that torch, numpy or python read at import: the server's must stay
 IMPORT_ENV = ("TORCH", "PYTORCH", "ATEN_", "OMP_", "MKL", "KMP_", "OPENBLAS", "ONEDNN", "DNNL", "CUDA",
               "NCCL", "PYTHON", "LD_")
+# ...but these, read when a run reads them (inductor sets its cache's in os.environ at its first compile)
+RUNTIME_ENV = {"PYTHONUNBUFFERED", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR"}
 PIPE, STDOUT = subprocess.PIPE, subprocess.STDOUT
 SERVER_ENV = {}  # the environment the forkserver started with, once it has
 
@@ -101,7 +103,7 @@ def forkable(cmd, kw):
         return False
     server, env = server_env(), kw.get("env") or os.environ
     changed = {k for k in set(env) | set(server) if env.get(k) != server.get(k)}
-    return not any(k.startswith(IMPORT_ENV) for k in changed - {"PYTHONUNBUFFERED", "PYTHONPATH"})
+    return not any(k.startswith(IMPORT_ENV) for k in changed - RUNTIME_ENV)
 
 
 def server_env():

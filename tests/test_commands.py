@@ -25,7 +25,7 @@ CASES = {
     # python's order at its end: the main code, its non-daemon threads run to their end, then atexit
     "a thread outlives the main code": ["-c", "import atexit, threading, time\n"
                                               "atexit.register(print, 'atexit')\n"
-                                              "later = lambda: (time.sleep(2), print('thread'))\n"
+                                              "later = lambda: (time.sleep(0.5), print('thread'))\n"
                                               "threading.Thread(target=later).start()\nprint('main')"],
     "the trainer's bad key": ["train_gpt2.py", "--n_layr=2"],
     "the trainer's bad device": ["train_gpt2.py", "--device=tpu"],
@@ -56,7 +56,8 @@ def test_a_forked_command_runs_as_python_does(name):
 def test_what_the_forkserver_cannot_have_runs_as_a_subprocess():
     """A variable read at import, another number of threads, torchrun, an option Forked lacks."""
     cmd = [sys.executable, "-c", "print(1)"]
-    assert commands.forkable(cmd, dict(env=one_thread(FAULT="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)))
+    assert commands.forkable(cmd, dict(env=one_thread(FAULT="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT,
+                                                       TORCHINDUCTOR_CACHE_DIR="/tmp/x")))
     for env in (one_thread(TORCH_LOGS="recompiles"), dict(one_thread(), OMP_NUM_THREADS="2")):
         assert not commands.forkable(cmd, dict(env=env))
     assert not commands.forkable(cmd, dict(env=one_thread(), preexec_fn=print))
@@ -68,6 +69,10 @@ def test_what_the_forkserver_cannot_have_runs_as_a_subprocess():
 
 
 DRAWS = "import random, numpy as np, sys; print(random.random(), np.random.rand(), 'torch' in sys.modules)"
+# one write of the whole line: the two ranks share a pipe
+RANK = ("import random, numpy as np, sys\n"
+        "said = [random.random(), np.random.rand(), 'torch' in sys.modules, hash('abc')]\n"
+        "sys.stdout.write(' '.join(map(str, said)) + '\\n')\n")
 
 
 def test_every_command_draws_fresh_random_numbers(tmp_path):
@@ -77,7 +82,7 @@ def test_every_command_draws_fresh_random_numbers(tmp_path):
     draws = [commands.run([sys.executable, "-c", DRAWS], capture_output=True, text=True, env=one_thread())
              for _ in range(2)]
     assert draws[0].stdout.split()[:2] != draws[1].stdout.split()[:2], draws
-    (tmp_path / "rank.py").write_text(f"{DRAWS[:-1]}, hash('abc'), flush=True)\n")
+    (tmp_path / "rank.py").write_text(RANK)
     r = commands.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                       "rank.py"], cwd=tmp_path, capture_output=True, text=True, env=one_thread(), timeout=120)
     ranks = [line.split() for line in r.stdout.splitlines()]
