@@ -23,6 +23,7 @@ SEEN = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name,kind", SEEN.items())
 def test_kernel_kinds(name, kind):
     assert kernel_kind(name) == kind

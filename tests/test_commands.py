@@ -13,6 +13,8 @@ import pytest
 import commands
 from conftest import ROOT, one_thread
 
+pytestmark = pytest.mark.quick  # every test here: the edit loop's tier
+
 CASES = {
     "output and exit code": ["-c", "import sys; print('out', sys.argv[1:]); print('err', file=sys.stderr); "
                                    "print('out again'); sys.exit(3)", "a", "--b=1"],

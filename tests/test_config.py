@@ -12,6 +12,7 @@ from gptkit.configurator import parse_config, trainer_defaults
 DEFAULTS = trainer_defaults()  # the constants atop train_gpt2.py, as written (importing it would run it)
 
 
+@pytest.mark.quick
 def test_defaults_are_build_nanogpts_run():
     d = DEFAULTS
     model = (d["n_layer"], d["n_head"], d["n_embd"], d["block_size"], d["vocab_size"])
@@ -69,6 +70,7 @@ def test_B_takes_a_number_when_its_default_is_auto(tmp_path):
             parse_config(argv, auto)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("argv,message", [
     (["--max_step=5"], r"unknown config key 'max_step' in --max_step=5; closest valid names: max_steps"),
     (["--n_layer=2.5"],
@@ -109,6 +111,7 @@ def test_bad_overrides(argv, message):
         parse_config(argv, DEFAULTS)
 
 
+@pytest.mark.quick
 def test_config_file_sees_the_constants(tmp_path):
     cfg_file = tmp_path / "derived.py"
     cfg_file.write_text("warmup_steps = 100\nmax_steps = 10 * warmup_steps\nT = T // 2\n")
@@ -116,6 +119,7 @@ def test_config_file_sees_the_constants(tmp_path):
     assert (c["warmup_steps"], c["max_steps"], c["T"]) == (100, 1000, 512)
 
 
+@pytest.mark.quick
 def test_broken_config_file(tmp_path):
     cfg_file = tmp_path / "broken.py"
     cfg_file.write_text("n_layer = = 3\n")
@@ -123,6 +127,7 @@ def test_broken_config_file(tmp_path):
         parse_config([str(cfg_file)], DEFAULTS)
 
 
+@pytest.mark.quick
 def test_bad_key_in_config_file(tmp_path):
     cfg_file = tmp_path / "bad.py"
     cfg_file.write_text("learning_rate = 1e-3\n")
@@ -262,6 +267,7 @@ def test_total_batch_size_must_divide():
             in r.stderr)
 
 
+@pytest.mark.quick
 def test_16_gpus_are_told_which_B_to_use():
     """Issue 21.17: 2 nodes x 8 GPUs at a fixed B=64 (64 x 1024 x 16 > 2**19) stop with a line that
     names the B that works; B="auto" (issue 29) takes it by itself. The README's two-node command
@@ -345,6 +351,7 @@ def test_demo_preset_and_readme_say_its_size():
     assert f"a {n / 1e6:.1f}M-parameter GPT" in open(os.path.join(ROOT, "README.md")).read()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("path", PRESETS)
 def test_presets_parse_and_divide(path):
     c = parse_config([path], DEFAULTS)
@@ -366,6 +373,7 @@ def test_presets_parse_and_divide(path):
         assert c["total_batch_size"] % c["T"] == 0
 
 
+@pytest.mark.quick
 def test_124M_preset_is_the_defaults():
     c = parse_config([os.path.join(ROOT, "config", "gpt2_124M.py")], DEFAULTS)
     assert dict(c, log_dir=None) == dict(DEFAULTS, log_dir=None)

@@ -22,6 +22,7 @@ def make_shards(tmp_path, lengths):
 
 
 # lengths that make build-nanogpt's ranks drift: rank 0 still fits a batch where rank 1 does not
+@pytest.mark.quick
 @pytest.mark.parametrize("world,accum,lengths", [
     (2, 1, [5 * 16 + 8 + 1, 3 * 16 + 9, 40]),
     (2, 2, [3 * 32 + 16 + 1, 2 * 32 + 1, 70]),
@@ -48,6 +49,7 @@ def test_ranks_disjoint_cover_and_lockstep(tmp_path, world, accum, lengths):
         assert len({loader.shard for loader in loaders}) == 1  # every rank on the same shard
 
 
+@pytest.mark.quick
 def test_stream_does_not_depend_on_world_size(tmp_path):
     lengths = [101, 77, 130]
     make_shards(tmp_path, lengths)
@@ -59,12 +61,14 @@ def test_stream_does_not_depend_on_world_size(tmp_path):
         assert all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a, b))
 
 
+@pytest.mark.quick
 def test_shards_are_memory_mapped(tmp_path):
     make_shards(tmp_path, [100])
     loader = DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
     assert isinstance(loader.tokens, np.memmap)
 
 
+@pytest.mark.quick
 def test_error_paths(tmp_path):
     with pytest.raises(UserError, match=r"data folder '.*nope' not found: run `python fineweb.py`"):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path / "nope"))
@@ -120,6 +124,7 @@ def test_shards_shorter_than_a_step_are_passed_over(tmp_path, shuffle, capsys):
     assert (grown.epoch, list(grown.order)) == (loader.epoch, list(loader.order))  # the same draw over all 5
 
 
+@pytest.mark.quick
 def test_unfinished_fineweb_output_is_refused(tmp_path):
     make_shards(tmp_path, [100, 100])
     (tmp_path / "fineweb_manifest.json").write_text('{"args": {}, "shards": [], "complete": false}')
@@ -130,6 +135,7 @@ def test_unfinished_fineweb_output_is_refused(tmp_path):
     DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
 
 
+@pytest.mark.quick
 def test_val_tokens_span_shards_and_errors(tmp_path):
     write_shards(tmp_path, "val", [np.arange(10), np.arange(100, 110)])
     assert load_val_tokens(str(tmp_path), 14).tolist() == list(range(10)) + list(range(100, 105))
@@ -137,6 +143,7 @@ def test_val_tokens_span_shards_and_errors(tmp_path):
         load_val_tokens(str(tmp_path), 20)
 
 
+@pytest.mark.quick
 def test_loader_state_resumes_any_world_size(tmp_path):
     """state_dict() after some steps on 2 ranks, load_state_dict() into 1 rank with double accumulation: the
     next global batches are the ones the uninterrupted 1-rank loader reads. A shard that is not the
@@ -161,6 +168,7 @@ def test_loader_state_resumes_any_world_size(tmp_path):
         resumed.load_state_dict({"shard": 1, "pos": 16, "file": "other_train_000001.npy"})
 
 
+@pytest.mark.quick
 def test_token_ids_beyond_the_vocab_are_an_error(tmp_path):
     """A shard made with another tokenizer (an id >= vocab_size): one line naming the shard and the
     id when the shard is opened for reading, not an IndexError (or a CUDA assert) mid-step."""

@@ -6,6 +6,8 @@ import os
 import re
 import sys
 
+import pytest
+
 import commands
 from conftest import ROOT, one_thread
 
@@ -37,6 +39,7 @@ def references(text):
     return REF.findall(text)
 
 
+@pytest.mark.quick
 def test_resolver_tells_real_names_from_stale_ones():
     trainer, shards = os.path.join(ROOT, "train_gpt2.py"), os.path.join(ROOT, "gptkit", "shards.py")
     assert defines(trainer, "get_lr") and defines(trainer, "total_batch_size")
@@ -49,6 +52,7 @@ def test_resolver_tells_real_names_from_stale_ones():
     assert found == [("model.py", "GPT.forward"), ("a/b.py", "c")]
 
 
+@pytest.mark.quick
 def test_every_code_reference_in_docs_resolves():
     stale = []
     for doc in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
@@ -58,11 +62,13 @@ def test_every_code_reference_in_docs_resolves():
     assert not stale, "references to code that does not exist:\n" + "\n".join(stale)
 
 
+@pytest.mark.quick
 def test_ddp_guide_points_at_the_code():
     refs = set(references(open(os.path.join(ROOT, "docs", "ddp.md")).read()))
     assert len(refs) >= 15, sorted(refs)
 
 
+@pytest.mark.quick
 def test_config_files_are_said_to_run_as_code():
     """Issue 21.8: a config file is Python that the trainer executes: the README and configurator.py
     say so, and to use only files you trust."""
@@ -98,6 +104,7 @@ def run_command(line, cwd, *extra):
     return r
 
 
+@pytest.mark.quick
 def test_one_gpt2_hellaswag_baseline_with_its_source():
     """Issue 21.11: one figure for GPT-2 124M's HellaSwag acc_norm (0.2955, build-nanogpt's
     hellaswag.py), the same in plot.py's reference line, the README and docs/hellaswag.md; the other
@@ -115,6 +122,7 @@ def test_one_gpt2_hellaswag_baseline_with_its_source():
     assert "0.3114" in hella and "lm_eval --model hf --model_args pretrained=" in hella
 
 
+@pytest.mark.quick
 def test_slurm_lead_time_is_one_figure():
     """Issue 21.11: the SLURM signal's lead time is the same everywhere it is written (TERM@300 to
     the steps before issue 37, B:USR1@300 to the batch script since)."""
@@ -246,6 +254,7 @@ def test_fsdp_memory_table_matches_a_count():
         assert abs(total / 1e9 - gb) < 0.05, (preset, total / 1e9, gb)
 
 
+@pytest.mark.quick
 def test_readme_is_a_newcomers_page():
     """At most 12,000 characters: the depth lives in docs/."""
     assert len(read("README.md")) <= 12000, len(read("README.md"))

@@ -75,6 +75,7 @@ def test_local_parquet_and_jsonl_shards(tmp_path, enc, num_proc):
     assert x.flatten()[:5].tolist() == list(np.load(out / "local_train_000001.npy")[:5])
 
 
+@pytest.mark.quick
 def test_glob_max_tokens_and_a_document_longer_than_a_shard(tmp_path, enc):
     docs = make_docs(10, seed=1, max_words=3000)
     for i in range(2):
@@ -118,6 +119,7 @@ def interrupted(monkeypatch, argv, at, torn=False):
 
 # the writes: 1 the empty manifest; then per shard k: 2k the shard, 2k+1 the manifest recording it;
 # last the manifest marked complete. Negative: counted from the end (the final shard and 'complete').
+@pytest.mark.quick
 @pytest.mark.parametrize("crash_at", [1, 2, 3, 4, 5, 7, -3, -2, -1])
 @pytest.mark.parametrize("max_tokens", [0, 9000])
 def test_interrupted_then_rerun_is_byte_identical(tmp_path, monkeypatch, capsys, enc, crash_at, max_tokens):
@@ -201,6 +203,7 @@ def run_error(argv, capsys):
     return str(e.value.code)
 
 
+@pytest.mark.quick
 def test_error_paths(tmp_path, capsys):
     out = tmp_path / "out"
     msg = run_error(["--dataset", str(tmp_path / "missing.jsonl"), "--out_dir", str(out)], capsys)

@@ -73,6 +73,7 @@ def brute_force(hf, example):
     return sums, sums / mask[:, 1:].sum(1)
 
 
+@pytest.mark.quick
 def test_render_example_as_build_nanogpt(enc):
     """prepare packs an example into one row: its context once, then each ending, at the positions
     right after the context. Every scored token is an ending's, and what predicts it sees exactly
@@ -198,6 +199,7 @@ def test_bf16_forward_float32_loss(hf_and_ours):
     assert not torch.equal(s16, s32)  # the forward did run in bf16
 
 
+@pytest.mark.quick
 def test_long_examples_lose_context_from_the_left(hf_and_ours, capsys, enc):
     """An example longer than block_size keeps the last tokens of its context that leave room for
     its longest ending: each ending is scored as that context, then the ending, in one sequence
@@ -241,6 +243,7 @@ def test_the_compiled_eval_counts_as_the_eager_one(hf_and_ours):
     assert compiled.tolist() == eager.tolist()
 
 
+@pytest.mark.quick
 def test_bad_lines_name_file_and_line(tmp_path):
     good = make_examples(2)
     three_endings = json.dumps(dict(good[0], endings=["a", "b", "c"]))
@@ -274,6 +277,7 @@ class Server:
         threading.Thread(target=self.httpd.handle_request, daemon=True).start()
 
 
+@pytest.mark.quick
 def test_download(tmp_path):
     examples = make_examples(5)
     write_file(tmp_path / "src.jsonl", examples)
@@ -333,6 +337,7 @@ def test_standalone_cli(tmp_path, hf_and_ours):
                                 f"(expected HellaSwag jsonl, one example per line)")
 
 
+@pytest.mark.quick
 def test_synthetic_examples_are_what_write_synthetic_writes(tmp_path):
     """The benchmarks' examples: valid HellaSwag lines, seeded, and the same bytes as the ones
     docs/benchmarks.md's figures were measured on (500 examples, seed 0)."""
@@ -346,6 +351,7 @@ def test_synthetic_examples_are_what_write_synthetic_writes(tmp_path):
         "b6d28b7768d39827d5e4e9215bb674221a90f44220e790a0c3bd5a6e1645f1ce"
 
 
+@pytest.mark.quick
 def test_load_for_training_in_one_process(tmp_path, hf_and_ours):
     """The examples of the file, prepared; else one line that says why and what to pass."""
     _, ours = hf_and_ours

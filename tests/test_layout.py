@@ -15,7 +15,11 @@ import torch.distributed as dist
 import torch.distributed.fsdp
 import torch.distributed.launcher.api
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.quick  # every test here: the edit loop's tier
 
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "*.py")))  # what a user runs, and model.py
 PACKAGE = sorted(glob.glob(os.path.join(ROOT, "gptkit", "*.py")))

@@ -82,6 +82,7 @@ def test_a_run_that_ends_removes_its_run_lock(data, tmp_path):
     assert sorted(os.listdir(log_dir)) == before  # run.lock taken, then removed; nothing else touched
 
 
+@pytest.mark.quick
 def test_a_refused_launch_leaves_the_lock_file_as_it_was(tmp_path, locks):
     """The holder's line, bytes, inode and mtime stay; the refusal names the holder; once the holder's
     run ends its run.lock is gone, and the next launch takes a fresh one."""
@@ -107,6 +108,7 @@ def test_a_refused_launch_leaves_the_lock_file_as_it_was(tmp_path, locks):
     assert (log_dir / "run.lock").read_text().startswith(f"pid {os.getpid()} on ")  # (the lock dropped)
 
 
+@pytest.mark.quick
 def test_a_lock_on_a_file_removed_meanwhile_is_taken_again(tmp_path, monkeypatch, locks):
     """The race of an ending run and a new launch: the launch opens run.lock, the ending run removes
     it (here, between the launch's open and its lock; another launch then makes a new one), and the
@@ -135,6 +137,7 @@ def test_a_lock_on_a_file_removed_meanwhile_is_taken_again(tmp_path, monkeypatch
     assert f"is in use by a live run (pid {os.getpid()} on " in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.quick
 def test_a_start_that_ends_removes_the_lock_and_a_failed_one_the_folders_it_made(tmp_path, locks):
     """The run's end (LogDirLock.release, at exit) removes run.lock, and the folders that taking the lock
     made unless something was written in them (a start that failed leaves nothing behind)."""

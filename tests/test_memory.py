@@ -29,7 +29,8 @@ def shape(L, H, C, V, T):
     return GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=H, n_embd=C)
 
 
-@pytest.mark.parametrize("L, H, C, V, T, B, dtype", SHAPES + [(12, 12, 768, 50304, 1024, 3, "bfloat16")])
+@pytest.mark.parametrize("L, H, C, V, T, B, dtype", [pytest.param(*SHAPES[0], marks=pytest.mark.quick),
+                                                     *SHAPES[1:], (12, 12, 768, 50304, 1024, 3, "bfloat16")])
 def test_the_count_of_few_blocks_gives_the_whole_forward(L, H, C, V, T, B, dtype):
     """The activations memory.estimate adds (1 and 2 blocks at B = 1 and 2, extrapolated, and the
     loss over the logits) are what autograd saves in the whole CPU training forward at B, counted on
@@ -103,6 +104,7 @@ def test_the_choices_are_the_docs_table():
         assert picks == cells.split(" | "), (preset, picks, cells)
 
 
+@pytest.mark.quick
 def test_on_the_cpu_auto_keeps_the_demo_preset():
     """config/demo_cpu.py sets B=16, all 16 sequences of a step in one micro-batch; --B=auto picks
     the same on any CPU with the 1 GB or so it needs, and half on 2 processes."""
@@ -239,6 +241,7 @@ def test_out_of_memory_is_one_line_and_the_checkpoint_before_it_resumes(data, tm
         assert all(torch.equal(model[k], crash_model[k]) for k in model)
 
 
+@pytest.mark.quick
 def test_bad_B_is_one_line(tmp_path):
     """B is a number of sequences or "auto" (opt-in); anything else is one line, from parse_config
     and from the script as a user runs it (exit 1, no traceback)."""

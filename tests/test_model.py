@@ -9,6 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from model import GPT, GPTConfig, flops_per_token
 
+pytestmark = pytest.mark.quick  # every test here: the edit loop's tier
+
 HF_SHAPE = dict(n_layer=2, n_head=4, n_embd=64, n_positions=48, vocab_size=300)
 
 

@@ -303,6 +303,7 @@ def test_the_group_is_made_with_nccls_flight_recorder_and_a_share_of_the_cpus(tm
     assert "probe: compile_threads 5\n" in out
 
 
+@pytest.mark.quick
 def test_the_process_group_waits_for_the_first_step_longer_than_collective_timeout(tmp_path):
     """Issue 36.4 (was 27.5, 21.12): the process group's collectives wait up to
     distributed.FIRST_STEP_TIMEOUT (at least collective_timeout) until the first training step is done,

@@ -63,12 +63,14 @@ def cpuinfo_has_bf16():
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+@pytest.mark.quick
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or os.environ.get("ONEDNN_MAX_CPU_ISA") is not None,
                     reason="needs Linux's /proc/cpuinfo, and oneDNN free to use every instruction")
 def test_cpu_bf16_units_are_detected():
     assert hardware.cpu_has_bf16() == cpuinfo_has_bf16()
 
 
+@pytest.mark.quick
 def test_auto_picks_by_hardware(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: False)
     no_bf16 = "auto: this CPU has no bf16 units; bf16 would be emulated, ~100x slower"
@@ -137,6 +139,7 @@ def tiny_step(data, folder, init_scale, poison):
     return not (overflow or bad), overflow, moved, after["scaler"]["scale"]
 
 
+@pytest.mark.quick
 def test_overflow_is_loss_scaling_not_a_bad_step(data, tmp_path):
     assert tiny_step(data, tmp_path / "clean", 2.0 ** 16, poison=False) == (True, False, True, 2.0 ** 16)
     # skipped, scale halved
@@ -145,6 +148,7 @@ def test_overflow_is_loss_scaling_not_a_bad_step(data, tmp_path):
     assert tiny_step(data, tmp_path / "scale1", 1.0, poison=True) == (False, False, False, 0.5)
 
 
+@pytest.mark.quick
 def test_a_non_finite_norm_the_scaler_did_not_see_is_a_bad_step(data, tmp_path):
     """Issue 21.5: finite gradients whose norm overflows (1e30 times their size) skip the update,
     but the scaler found nothing and keeps its scale: a bad step, not a float16 overflow (which

@@ -86,6 +86,7 @@ def reference_lr(step, max_steps, schedule="cosine", shape="linear", warmup=10, 
     return top - (top - bottom) * (done if shape == "linear" else math.sqrt(done))
 
 
+@pytest.mark.quick
 def test_wsd_learning_rate_at_its_boundaries(data, tmp_path):
     """WSD's warmup, stable phase and decay (linear, 1-sqrt), a raised max_steps, and the default
     cosine: the lr the trainer gives each step's optimizer (and prints), from short real runs."""
@@ -164,6 +165,7 @@ def test_configured_schedule_and_optimizer_are_checked():
 
 # --- Muon -----------------------------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_muon_parameter_groups():
     """Muon gets exactly the blocks' 2-D weights (attention and MLP); AdamW the embeddings, the tied
     output layer (the same tensor as wte), biases and layer norms; each parameter once."""

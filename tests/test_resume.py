@@ -624,6 +624,7 @@ register_optimizer_step_pre_hook(first_step)
 """
 
 
+@pytest.mark.quick
 def test_resumed_optimizer_keeps_this_devices_settings(data, tmp_path):
     """Issue 21.6: a checkpoint's param groups carry the saving run's AdamW settings (foreach, as
     written before issue 27 made AdamW fused everywhere); a resume keeps the fresh optimizer's and
@@ -712,6 +713,7 @@ def test_one_run_per_log_dir(one, data, tmp_path):
     assert_same(state(one), state(log_dir))
 
 
+@pytest.mark.quick
 def test_a_log_dir_without_locks_warns_and_runs(tmp_path, monkeypatch, capsys):
     """A file system without locks (Lustre mounted noflock: ENOSYS) must not stop a run: one
     warning that names run.lock, and the run goes on unprotected."""

@@ -133,6 +133,7 @@ def assert_same_runs(a, b):
         assert np.array_equal(x, y), step
 
 
+@pytest.mark.quick
 def test_every_document_is_read_once_per_epoch_in_the_drawn_order(docs):
     """One loader, one epoch (steps_per_epoch steps): the runs are the brute-force reference's,
     step for step; and, without the reference: each shard is read in one go, its documents whole,
@@ -177,6 +178,7 @@ def test_every_document_is_read_once_per_epoch_in_the_drawn_order(docs):
             assert n == len(pieces) - 1 or len(piece) == len(whole), (s, n)  # only the last may be cut
 
 
+@pytest.mark.quick
 def test_order_is_drawn_per_epoch_from_the_seed(docs):
     """Two epochs: not the file order (shards or documents), another order in epoch 1 than in
     epoch 0, the same stream for the same seed, another for another seed; each against the
@@ -210,6 +212,7 @@ def test_order_is_drawn_per_epoch_from_the_seed(docs):
 LAYOUTS = [(1, 1, 8), (1, 2, 4), (1, 4, 2), (2, 1, 4), (2, 2, 2), (4, 1, 2)]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world,accum,B", LAYOUTS)
 def test_same_tokens_per_step_for_any_world_size_and_accumulation(docs, world, accum, B):
     """Over 2.5 epochs: the chunks in chunk order make the same run per step as world=1, accum=4
@@ -239,6 +242,7 @@ def resume_points():
             "just after": spe + 1, "in epoch 1": spe + first_change + 1}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("point", list(resume_points()))
 @pytest.mark.parametrize("before,after", [((2, 1, 4), (1, 4, 2)), ((1, 4, 2), (4, 1, 2)),
                                           ((2, 2, 2), (1, 2, 4))])
@@ -266,6 +270,7 @@ def test_resume_from_state_onto_another_layout_continues_the_stream(docs, point,
         assert epochs == [s // spe for s in range(n, n + spe * 3 // 2)]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kw", [{}, {"shuffle": False}])
 def test_without_shuffle_the_stream_is_the_file_order(docs, kw):
     """shuffle=False, and the default: shards in sorted order, each front to back, wrapping around
@@ -299,6 +304,7 @@ def test_old_checkpoint_resumes_in_file_order_with_a_line(docs, capsys):
     assert_same_runs(runs, [shards[s][p:p + 9] for s, p in (order + order)[at:at + spe + 5]])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("written,loaded,value", [
     ({"shuffle": True, "seed": 1337}, {"shuffle": True, "seed": 7}, "--seed=1337"),
     ({"shuffle": True, "seed": 1337}, {"shuffle": False}, "--shuffle=True"),

@@ -20,6 +20,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.quick  # every test here: the edit loop's tier
+
 SCRIPT = os.path.join(ROOT, "scripts", "slurm_train.sh")
 PREEMPTED = "2026-12-01T10:00:00"
 STEP = """#!/bin/bash

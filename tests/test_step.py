@@ -228,7 +228,11 @@ RUNS = {"ddp-adamw": (2, ["--optimizer=adamw"]), "ddp-muon": (2, ["--optimizer=m
         "one-float16": (None, ["--dtype=float16"])}
 
 
-@pytest.mark.parametrize("nproc, extra", RUNS.values(), ids=RUNS.keys())
+QUICK = {"one-float16": pytest.mark.quick}  # the edit loop's tier: the one process's run
+
+
+@pytest.mark.parametrize("nproc, extra", [pytest.param(*run, id=name, marks=QUICK.get(name, ()))
+                                          for name, run in RUNS.items()])
 def test_the_step_waits_for_nothing_before_its_update(data, tmp_path, nproc, extra):
     """Under DDP with 2 micro-steps, the gradients stay views into DDP's bucket through every
     micro-step (1 storage, not one per parameter: a second copy of them, 4 bytes per parameter)

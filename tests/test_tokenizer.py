@@ -6,6 +6,8 @@ import pytest
 
 from gptkit import tokenizer
 
+pytestmark = pytest.mark.quick  # every test here: the edit loop's tier
+
 
 def test_gpt2_encoding_offline(enc):
     assert enc.name == "gpt2" and enc.n_vocab == 50257 and enc.eot_token == 50256

@@ -52,6 +52,7 @@ def test_step_line_shows_eta_and_no_mfu_on_a_cpu(run):
     assert tuple(map(int, lines[-1][2:])) == (0, 0, 0) and tuple(map(int, lines[2][2:])) == (0, 0, 0)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name,flops", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
                                         ("NVIDIA H100 NVL", 835e12), ("NVIDIA H100 PCIe", 756e12),
                                         ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10G", 70e12),
@@ -137,6 +138,7 @@ def test_wandb_offline_logs_what_log_txt_has(tmp_path):
     assert entry["wandb_run_id"] and path.name == f"run-{entry['wandb_run_id']}.wandb"  # which W&B run it was
 
 
+@pytest.mark.quick
 def test_wandb_is_not_imported_when_off(tmp_path):
     data = random_shards(tmp_path / "data", 0, 2000, [2000])
     code = ("import runpy, sys; sys.argv[0] = 'train_gpt2.py'; "
@@ -298,6 +300,7 @@ def test_smooth_has_no_lag_on_a_ramp():
     assert max(error[-10:]) < 0.25 and sum(error[-10:]) < sum(raw_error[-10:]) / 2
 
 
+@pytest.mark.quick
 def test_smooth_passes_over_nan():
     """A skipped step logs nan: it stays a nan (a gap) and is left out of its neighbours' fits, so a
     straight line stays straight beside it; the other values stay finite."""
@@ -381,6 +384,7 @@ def test_sample_reads_hf_folders_and_openai_names(hf_dir, monkeypatch, capsys):
     assert asked == ["gpt2"] and capsys.readouterr().out == from_folder  # the same weights, the same text
 
 
+@pytest.mark.quick
 def test_training_samples_are_returned_seeded_by_the_step(tmp_path):
     """The trainer's samples: at each sampled step, 4 lines in samples.txt, "step {step} sample {i}:
     {text!r}", each a continuation of sample_prompt, and the same lines on the console. They are seeded

@@ -4,6 +4,7 @@ import re
 import shutil
 
 import numpy as np
+import pytest
 import torch
 
 import commands
@@ -35,6 +36,7 @@ def val_reference(model, tokens, T, dtype, enc):
     return float(np.mean(losses)), text_bits / n_bytes
 
 
+@pytest.mark.quick
 def test_end_to_end_tiny_run(tmp_path, enc):
     """dtype="auto" (bf16 autocast on a CPU with bf16 units, float32 elsewhere), real GPT-2 vocab:
     the loss falls, log.txt keeps build-nanogpt's line formats, samples are written, and
@@ -87,6 +89,7 @@ def test_end_to_end_tiny_run(tmp_path, enc):
     assert abs(val - ckpt["val_loss"]) < 1e-4 and abs(bpb - log["bpb"][20]) < 1e-4
 
 
+@pytest.mark.quick
 def test_ddp_two_processes_equal_one_process(tmp_path):
     """torchrun, 2 processes x 2 micro-steps vs 1 process x 4 micro-steps, with dropout 0.1 (issue
     43): same losses, same parameters. Shards are sized so that the run changes shard and wraps
@@ -217,6 +220,7 @@ def test_hellaswag_in_training_same_for_any_world_size(tmp_path):
     assert re.search(r"hellaswag acc_norm \d+/31 = ", two.stdout)
 
 
+@pytest.mark.quick
 def test_evaluate_builds_no_graph(tmp_path):
     """The val eval runs without autograd: a graph per val batch would hold its activations and logits
     until the end of the eval (gigabytes per batch at the default sizes). Every forward of the trainer's
