@@ -25,9 +25,10 @@ import time
 
 PLAIN = os.environ.get("TESTS_SUBPROCESS") == "1"
 PRELOAD = ["torch", "torch._dynamo", "numpy", "tiktoken"]
-# prefixes of the variables that torch, numpy or python read at import: the server's must stay
+# A command that changes a variable of these prefixes runs as a subprocess: torch, numpy or python read
+# them at import (the server's stay), or they make it a rank, whose interpreter is a fresh one
 IMPORT_ENV = ("TORCH", "PYTORCH", "ATEN_", "OMP_", "MKL", "KMP_", "OPENBLAS", "ONEDNN", "DNNL", "CUDA",
-              "NCCL", "PYTHON", "LD_")
+              "NCCL", "PYTHON", "LD_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 # ...but these, read when a run reads them (inductor sets its cache's in os.environ at its first compile)
 RUNTIME_ENV = {"PYTHONUNBUFFERED", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR"}
 PIPE, STDOUT = subprocess.PIPE, subprocess.STDOUT
@@ -44,7 +45,7 @@ def run(cmd, capture_output=False, timeout=None, **kw):
 
 def Popen(cmd, **kw):
     """subprocess.Popen(cmd, **kw), from the forkserver where the command allows it."""
-    return Forked(cmd, **kw) if forkable(cmd, kw) else subprocess.Popen(cmd, **kw)
+    return Command(cmd, forkable(cmd, kw), **kw)
 
 
 def finish(p, timeout=None):
@@ -93,13 +94,11 @@ def _stat(pid):
 
 def forkable(cmd, kw):
     """Whether cmd can start from the forkserver: `python script|-c code ...`, with no more of
-    subprocess's options than Forked takes, in an environment that changes nothing read at import."""
+    subprocess's options than a fork takes, in an environment that changes nothing read at import."""
     kinds = {"cwd", "env", "stdout", "stderr", "text", "start_new_session"}
     if PLAIN or len(cmd) < 2 or cmd[0] != sys.executable or cmd[1].startswith("-") and cmd[1] != "-c":
         return False
-    if not set(kw) <= kinds or kw.get("stdout") not in (None, PIPE):
-        return False
-    if kw.get("stderr") not in (None, PIPE, STDOUT):
+    if not set(kw) <= kinds or {kw.get("stdout"), kw.get("stderr")} - {None, PIPE, STDOUT}:
         return False
     server, env = server_env(), kw.get("env") or os.environ
     changed = {k for k in set(env) | set(server) if env.get(k) != server.get(k)}
@@ -111,33 +110,35 @@ def server_env():
     (no thread of OpenMP's or OpenBLAS's pool may be running at a fork)."""
     if not SERVER_ENV:
         multiprocessing.set_forkserver_preload(PRELOAD)
-        SERVER_ENV.update(os.environ, OMP_NUM_THREADS="1")
         saved = dict(os.environ)
-        os.environ.update(SERVER_ENV)
-        try:
-            multiprocessing.forkserver.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        SERVER_ENV.update(os.environ)
+        multiprocessing.forkserver.ensure_running()
+        os.environ.clear()
+        os.environ.update(saved)
     return SERVER_ENV
 
 
-class Forked:
+class Command:
     """What the tests use of subprocess.Popen (args, pid, returncode, stdout, stderr, poll, wait,
-    communicate, send_signal, kill), over a command forked by the server. Output asked for with PIPE
-    goes to a file that the child appends to: no pipe to fill up and block it."""
+    communicate, send_signal, kill), over a subprocess or a command the server forked. Output asked
+    for with PIPE goes to a file, read when asked: no pipe fills up and blocks a command that nobody
+    reads meanwhile (torchrun's two nodes, each waiting for the other)."""
 
-    def __init__(self, cmd, cwd=None, env=None, stdout=None, stderr=None, text=False,
-                 start_new_session=False):
-        self.args, self.returncode = cmd, None
+    def __init__(self, cmd, forked, stdout=None, stderr=None, text=False, **kw):
+        self.args, self.returncode, self.forked = cmd, None, forked
         paths = {fd: tempfile.mkstemp()[1] for fd, to in ((1, stdout), (2, stderr)) if to == PIPE}
-        ready, told = multiprocessing.get_context("forkserver").Pipe(duplex=False)
-        self._p = multiprocessing.get_context("forkserver").Process(target=_child, args=(
-            cmd, os.path.abspath(cwd or os.getcwd()), dict(env or os.environ), paths, stderr == STDOUT,
-            start_new_session, told))
-        self._p.start()
-        told.close()
-        ready.poll(60)  # the child has its session and its output (or it ended)
+        if forked:
+            ready, told = multiprocessing.get_context("forkserver").Pipe(duplex=False)
+            self._p = multiprocessing.get_context("forkserver").Process(target=_child, args=(
+                cmd, os.path.abspath(kw.get("cwd") or os.getcwd()), dict(kw.get("env") or os.environ), paths,
+                stderr == STDOUT, kw.get("start_new_session"), told))
+            self._p.start()
+            told.close()
+            ready.poll(60)  # the child has its session and its output (or it ended)
+        else:
+            out, err = (open(paths[fd], "ab") if fd in paths else to for fd, to in ((1, stdout), (2, stderr)))
+            self._p = subprocess.Popen(cmd, stdout=out, stderr=err, **kw)
         self.pid = self._p.pid
         self.stdout, self.stderr = (open(paths[fd], "r" if text else "rb") if fd in paths else None
                                     for fd in (1, 2))
@@ -145,11 +146,14 @@ class Forked:
             os.unlink(path)
 
     def poll(self):
-        self.returncode = self._p.exitcode
+        self.returncode = self._p.exitcode if self.forked else self._p.poll()
         return self.returncode
 
     def wait(self, timeout=None):
-        self._p.join(timeout)
+        try:
+            self._p.join(timeout) if self.forked else self._p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
         if self.poll() is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
@@ -204,7 +208,7 @@ def _child(cmd, cwd, env, paths, merged, new_session, ready):
             print(e.code, file=sys.stderr)
     except BaseException as e:  # the traceback from the command's own first frame, as python prints it
         tb = e.__traceback__
-        while tb and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
+        while tb and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__, "<frozen runpy>"):
             tb = tb.tb_next
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         interrupted = isinstance(e, KeyboardInterrupt)

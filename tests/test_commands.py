@@ -46,7 +46,7 @@ def test_a_forked_command_runs_as_python_does(name):
         kw = dict(cwd=ROOT, env=one_thread(), stdout=subprocess.PIPE, text=True,
                   stderr=subprocess.STDOUT if merged else subprocess.PIPE)
         p = commands.Popen(cmd, **kw)
-        assert isinstance(p, commands.Forked)  # the forkserver's, not a subprocess
+        assert p.forked  # the forkserver's, not a subprocess
         got = p.communicate(60), p.returncode
         q = subprocess.Popen(cmd, **kw)
         want = q.communicate(60), q.returncode
@@ -55,13 +55,23 @@ def test_a_forked_command_runs_as_python_does(name):
         assert got[1] == -signal.SIGINT
 
 
+def test_a_scripts_traceback_starts_at_its_own_first_frame(tmp_path):
+    (tmp_path / "boom.py").write_text("def f():\n    raise ValueError('boom')\nf()\n")
+    cmd = [sys.executable, str(tmp_path / "boom.py")]
+    got = commands.run(cmd, capture_output=True, text=True, env=one_thread())
+    want = subprocess.run(cmd, capture_output=True, text=True, env=one_thread())
+    assert (got.returncode, got.stderr) == (want.returncode, want.stderr) and "boom.py" in want.stderr
+
+
 def test_what_the_forkserver_cannot_have_runs_as_a_subprocess():
-    """A variable read at import, another number of threads, torchrun, an option Forked lacks."""
+    """A variable read at import, another number of threads, a rank's variables, torchrun, an option
+    the fork lacks."""
     cmd = [sys.executable, "-c", "print(1)"]
     assert commands.forkable(cmd, dict(env=one_thread(FAULT="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT,
                                                        TORCHINDUCTOR_CACHE_DIR="/tmp/x")))
-    for env in (one_thread(TORCH_LOGS="recompiles"), dict(one_thread(), OMP_NUM_THREADS="2")):
+    for env in (one_thread(TORCH_LOGS="+dynamo"), one_thread(RANK="1")):
         assert not commands.forkable(cmd, dict(env=env))
+    assert not commands.forkable(cmd, dict(env=dict(one_thread(), OMP_NUM_THREADS="2")))
     assert not commands.forkable(cmd, dict(env=one_thread(), preexec_fn=print))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "x.py"]
     assert not commands.forkable(torchrun, dict(env=one_thread()))
@@ -122,7 +132,7 @@ def test_a_signal_reaches_a_command_in_its_own_session():
     """start_new_session: the command leads a process group of its own, at once (os.killpg)."""
     p = commands.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=one_thread(),
                        start_new_session=True)
-    assert isinstance(p, commands.Forked) and os.getpgid(p.pid) == p.pid
+    assert p.forked and os.getpgid(p.pid) == p.pid
     os.killpg(p.pid, signal.SIGTERM)
     assert p.wait(60) == -signal.SIGTERM
     assert re.fullmatch(r"\d+", str(p.pid))

@@ -265,6 +265,33 @@ def flat(text):
     return " ".join(text.split())
 
 
+def documented_eval_steps(max_steps, eval_interval, checkpoint_interval):
+    """The steps the docs say a run evaluates at: every eval_interval steps from step 0, and the last
+    (README's table; 0: none), and every checkpoint, which holds its own val loss (resume.md): every
+    checkpoint_interval steps after step 0 (0: none) and the last."""
+    if eval_interval == 0:
+        return []
+    checkpoints = range(checkpoint_interval, max_steps, checkpoint_interval) if checkpoint_interval else []
+    return sorted({*range(0, max_steps, eval_interval), *checkpoints, max_steps})
+
+
+def test_the_trainer_evaluates_when_the_docs_say(tmp_path):
+    """A short run evaluates (val lines in log.txt) at the steps documented_eval_steps gives, with an
+    interval that reaches neither a checkpoint nor the last step, so that every part of the rule
+    shows; and writes its checkpoints there. The planning figures count the default run's evals
+    with the same rule (test_planning_figures_have_one_home_and_agree)."""
+    from conftest import TINY, random_shards, read_log, run_script
+    steps = documented_eval_steps(7, 3, 5)
+    assert steps == [0, 3, 5, 6, 7]
+    data, log_dir = random_shards(tmp_path / "data", 0, 600, [4000]), tmp_path / "log"
+    r = run_script([*TINY, "--vocab_size=512", f"--data_root={data}", f"--log_dir={log_dir}", "--B=2",
+                    "--T=16", "--total_batch_size=32", "--max_steps=7", "--eval_interval=3",
+                    "--checkpoint_interval=5", "--val_tokens=64", "--sample_interval=0", "--hellaswag=False"])
+    assert r.returncode == 0, r.stderr
+    assert sorted(read_log(log_dir)["val"]) == steps
+    assert sorted(f for f in os.listdir(log_dir) if f.endswith(".pt")) == ["model_00005.pt", "model_00007.pt"]
+
+
 def test_planning_figures_have_one_home_and_agree():
     """Issue 37.5: the figures a user plans by, each computed or measured at one home and the same
     wherever it is repeated. MFU has one definition, the console's (the GPU's datasheet peak,
@@ -315,14 +342,10 @@ def test_planning_figures_have_one_home_and_agree():
     span = f"{step_s:.2f}-{llmc_ms / 1000:.2f} s"
     assert f"**{span} on 8 GPUs**" in bench
     assert f"a 124M step of {span} on 8 GPUs" in flat(read("docs", "ddp.md"))
-    # the evals: when the trainer's own loop does them (its do_checkpoint and do_eval lines)
-    rules = dict(re.findall(r"^    (do_checkpoint|do_eval) = (.*)$", read("train_gpt2.py"), re.M))
-    evals = 0
-    for s in range(steps + 1):
-        at = dict(c, step=s, last_step=s == steps)
-        at["do_checkpoint"] = eval(rules["do_checkpoint"], at)
-        evals += eval(rules["do_eval"], at)
+    # the evals: when the docs say the trainer does them (test_the_trainer_evaluates_when_the_docs_say)
+    evals = len(documented_eval_steps(steps, c["eval_interval"], c["checkpoint_interval"]))
     assert f"The {evals} evals, shared by the 8 ranks" in bench and f"its {evals} evals" in bench
+    assert f"its {evals} evals (every {c['eval_interval']} steps and at the last)" in bench
 
     # compile's start: measured on the H200, repeated in precision.md and in the 8-GPU time
     first = figure(r"\| first step, compilation included \| ([\d.]+) s and ([\d.]+) s")

@@ -14,9 +14,11 @@ from conftest import one_thread
 import hellaswag
 from gptkit import hellaswag_eval as scoring
 from gptkit.common import UserError
+from gptkit.tokenizer import get_gpt2_encoding
 from model import GPT, GPTConfig
 
 WORDS = "a man is seen the woman then they continue to walk dog ball kitchen holds up smiles camera".split()
+BLOCK = 64  # the models' block_size here
 
 
 def make_examples(n, seed=0):
@@ -28,6 +30,21 @@ def make_examples(n, seed=0):
             for i in range(n)]
 
 
+# The packed row's corner cases: two examples with the same context, an empty context (the ending's
+# first token is not scored, as in build-nanogpt, and the endings start at position 0), one-token
+# endings (scored from the context's last position alone), endings that share their first words, a
+# context too long for BLOCK (it loses tokens from the left), and rows of very different lengths.
+CORNER_CASES = [
+    dict(ctx="a man is seen", label=0, endings=["a", "the dog", "the dog is", "they walk"]),
+    dict(ctx="a man is seen", label=1, endings=["smiles", "a", "then a woman", "camera up"]),
+    dict(ctx="", label=2, endings=["a man walks", "the dog holds", "then up", "a ball kitchen"]),
+    dict(ctx=" ".join(WORDS * 2), label=3, endings=["a", "to walk the dog", "a ball", "holds a camera up"]),
+    dict(ctx=" ".join(["kitchen"] * 100), label=1, endings=["a man", "the dog is seen to walk then smiles",
+                                                             "up", "a woman holds the camera up"]),
+    dict(ctx="the woman then", label=0, endings=["walks", "a dog", "smiles", "is seen up"]),
+]
+
+
 def write_file(path, examples):
     with open(path, "w") as f:
         for e in examples:
@@ -35,42 +52,68 @@ def write_file(path, examples):
 
 
 @pytest.fixture(scope="module")
+def ours():
+    """Our own GPT, tiny and random (seeded), its weights spread so that the endings' losses differ
+    clearly. The scorer's tests need nothing of it but what the scorer uses: a model with positions
+    of another kind, or other layers, runs them all the same."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=BLOCK, n_layer=2, n_head=2, n_embd=32)).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
 def hf_and_ours(tmp_path_factory):
+    """A HF GPT2LMHeadModel, random, and our GPT loaded from its folder: for the tests whose subject
+    is parity with build-nanogpt's scoring of a HF model, or the tool reading a HF folder."""
     from transformers import GPT2Config, GPT2LMHeadModel
     d = tmp_path_factory.mktemp("hf")
-    torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=BLOCK)).eval()
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(0.1 * torch.randn_like(p))
     hf.save_pretrained(d)
     return hf, GPT.from_pretrained(str(d)).eval()
 
 
-def render_example(example):
-    """build-nanogpt's rendering: (tokens (4, L), mask (4, L), label), context + " " + ending per row,
-    mask 1 over the ending, rows right-padded with 0."""
-    from gptkit.tokenizer import get_gpt2_encoding
+def one_sequence_losses(model, example, block_size=BLOCK):
+    """build-nanogpt's scoring of one example, by brute force: each ending's (sum, mean) loss (4,).
+    The model runs on the context's tokens, then the " " + ending's, as one sequence, alone: no
+    packing and no padding (build-nanogpt pads its 4 rows on the right, which changes nothing before
+    the padding). An ending token's loss is its cross-entropy predicted from everything before it;
+    the sum over the ending picks acc's answer, the mean acc_norm's. Position 0 has nothing before it:
+    with an empty context the ending's first token is not scored, as in build-nanogpt. A context too
+    long for block_size keeps its last tokens, as many as leave room for the longest ending
+    (docs/hellaswag.md), so that every ending sees the same context."""
     enc = get_gpt2_encoding()
-    ctx = enc.encode(example['ctx'])
-    rows = [ctx + enc.encode(" " + ending) for ending in example['endings']]
-    tokens = torch.zeros((4, max(map(len, rows))), dtype=torch.long)
-    mask = torch.zeros_like(tokens)
-    for i, row in enumerate(rows):
-        tokens[i, :len(row)] = torch.tensor(row)
-        mask[i, len(ctx):len(row)] = 1
-    return tokens, mask, example['label']
-
-
-def brute_force(hf, example):
-    """build-nanogpt's scoring with HF's full logits, one example at a time."""
-    tokens, mask, label = render_example(example)
+    ctx, endings = enc.encode(example["ctx"]), [enc.encode(" " + e) for e in example["endings"]]
+    ctx = ctx[max(0, len(ctx) + max(map(len, endings)) - block_size):]
+    first = max(1, len(ctx))  # the first scored position
+    sums, means = [], []
     with torch.no_grad():
-        logits = hf(tokens).logits
-    losses = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1),
-                             reduction="none").view(4, -1) * mask[:, 1:]
-    sums = losses.sum(1)
-    return sums, sums / mask[:, 1:].sum(1)
+        for ending in endings:
+            seq = torch.tensor(ctx + ending)
+            # [0]: our forward's logits, or HF's (its output's first field, the loss being None)
+            logits = model(seq[None])[0][0].float()  # (len, vocab)
+            losses = F.cross_entropy(logits[first - 1:-1], seq[first:], reduction="none")
+            sums.append(losses.sum())
+            means.append(losses.mean())
+    return torch.stack(sums), torch.stack(means)
+
+
+def brute_forced(model, examples):
+    """one_sequence_losses of each example: sums (n, 4), means (n, 4), and the counts evaluate
+    should give: [examples, correct by acc (least sum), correct by acc_norm (least mean)]."""
+    ref = [one_sequence_losses(model, e) for e in examples]
+    sums, means = torch.stack([s for s, _ in ref]), torch.stack([m for _, m in ref])
+    labels = torch.tensor([e["label"] for e in examples])
+    counts = [len(examples), int((sums.argmin(1) == labels).sum()), int((means.argmin(1) == labels).sum())]
+    return sums, means, counts
 
 
 @pytest.mark.quick
@@ -97,12 +140,13 @@ def test_render_example_as_build_nanogpt(enc):
     assert len(at) == sum(map(len, endings))  # every ending token is scored, once
 
 
-def losses_of(model, examples, batch_examples=32, one_shape=False, dtype="float32", rank=0, world=1):
-    """hellaswag.py's (sum, mean) loss of the 4 endings of each of rank's examples, (n, 4) in the
+def losses_of(model, examples, batch_examples=32, one_shape=False, dtype="float32", rank=0, world=1,
+              prepared=None):
+    """The scorer's (sum, mean) loss of the 4 endings of each of rank's examples, (n, 4) in the
     examples' order (which example each of prepare's rows packs is read back from its tokens), their
-    indices in examples, and the counts evaluate gives."""
-    prepared = scoring.prepare(examples, model.config.block_size, "cpu", batch_examples, rank, world,
-                                 one_shape)
+    indices in examples, and the counts evaluate gives. prepared: the batches, made already."""
+    prepared = prepared or scoring.prepare(examples, model.config.block_size, "cpu", batch_examples, rank,
+                                           world, one_shape)
     sums, means = scoring.ending_losses(model, prepared, dtype)
     order = examples_of(prepared, examples)
     return sums.view(-1, 4), means.view(-1, 4), order, scoring.evaluate(model, prepared, dtype).tolist()
@@ -111,7 +155,6 @@ def losses_of(model, examples, batch_examples=32, one_shape=False, dtype="float3
 def examples_of(prepared, examples):
     """The index in examples of each example prepare packed, in its order: read from each row's
     tokens (context, then the 4 endings, by seg) and matched with the examples' own."""
-    from gptkit.tokenizer import get_gpt2_encoding
     enc = get_gpt2_encoding()
     ctxs = [enc.encode(e["ctx"]) for e in examples]
     index = {}  # the 4 endings: the examples that have them
@@ -136,62 +179,60 @@ def examples_of(prepared, examples):
     return found
 
 
-def brute_forced(hf, examples):
-    """brute_force's (sum, mean) loss of each example's 4 endings, (n, 4), and the counts it gives."""
-    ref = [brute_force(hf, e) for e in examples]
-    sums, means = torch.stack([s for s, _ in ref]), torch.stack([m for _, m in ref])
-    counts = [len(examples), sum(int(s.argmin() == e["label"]) for (s, _), e in zip(ref, examples)),
-              sum(int(m.argmin() == e["label"]) for (_, m), e in zip(ref, examples))]
-    return sums, means, counts
+def assert_scored_as(reference, scored, where):
+    """The scorer's losses_of output equals the brute force's, example by example, and its counts."""
+    ref_sums, ref_means, ref_counts = reference
+    sums, means, order, counts = scored
+    assert sorted(order) == list(range(len(ref_sums))), where  # every example, once
+    assert torch.allclose(sums, ref_sums[order], atol=1e-4), where
+    assert torch.allclose(means, ref_means[order], atol=1e-5), where
+    assert counts == ref_counts, where
 
 
-def assert_as_brute_force(ours, hf, examples, batches):
-    """Example by example, every ending's summed and mean loss as build-nanogpt's scoring with HF's
-    model gives it, and the same counts, for each (batch_examples, one_shape) in batches; and dealt
-    to 3 ranks, the ranks' examples are all the examples, each once, scored alike."""
-    ref_sums, ref_means, ref_counts = brute_forced(hf, examples)
+def assert_as_brute_force(model, examples, batches, reference=None):
+    """For each (batch_examples, one_shape) in batches, every ending's summed and mean loss, and the
+    counts, as the brute force gives them (brute_forced: our own model unless reference says);
+    dealt to 3 ranks, the ranks' examples are all the examples, each once, scored alike, and their
+    counts add up to the brute force's."""
+    reference = reference or brute_forced(model, examples)
     for batch, one_shape in batches:
-        sums, means, order, counts = losses_of(ours, examples, batch, one_shape)
-        assert sorted(order) == list(range(len(examples))), (batch, one_shape)
-        assert torch.allclose(sums, ref_sums[order], atol=1e-4), (batch, one_shape)
-        assert torch.allclose(means, ref_means[order], atol=1e-5), (batch, one_shape)
-        assert counts == ref_counts, (batch, one_shape)
-    parts = [losses_of(ours, examples, 7, False, rank=r, world=3) for r in range(3)]
+        assert_scored_as(reference, losses_of(model, examples, batch, one_shape), (batch, one_shape))
+    parts = [losses_of(model, examples, 3, False, rank=r, world=3) for r in range(3)]
     assert sorted(j for _, _, order, _ in parts for j in order) == list(range(len(examples)))
-    for sums, means, order, _ in parts:
-        assert torch.allclose(sums, ref_sums[order], atol=1e-4)
-        assert torch.allclose(means, ref_means[order], atol=1e-5)
-    assert [sum(c) for c in zip(*(counts for *_, counts in parts))] == ref_counts
+    for r, (sums, means, order, _) in enumerate(parts):
+        assert torch.allclose(sums, reference[0][order], atol=1e-4), r
+        assert torch.allclose(means, reference[1][order], atol=1e-5), r
+    assert [sum(c) for c in zip(*(counts for *_, counts in parts))] == reference[2]
 
 
-def test_batched_equals_one_at_a_time_equals_hf(hf_and_ours):
+def test_batched_equals_each_ending_alone(ours):
     """Every ending's loss and the counts, batched any way, with one shape (the compiled eval's
-    padding) or not, on one rank or dealt to 3, equal build-nanogpt's scoring with HF's model, one
-    example at a time, example by example."""
-    hf, ours = hf_and_ours
-    assert_as_brute_force(ours, hf, make_examples(40),
-                          ((1, False), (7, False), (40, False), (7, True)))
+    padding) or not, on one rank or dealt to 3, equal the brute force with our own model: each
+    ending run alone after its context, example by example."""
+    examples = make_examples(16)
+    reference = brute_forced(ours, examples)
+    sums, means, _ = reference
+    assert (sums.argmin(1) != means.argmin(1)).any()  # acc and acc_norm pick apart: both are checked
+    assert_as_brute_force(ours, examples, ((1, False), (5, False), (16, False), (5, True)), reference)
 
 
-def test_packed_rows_of_any_shape(hf_and_ours, enc):
-    """The packed row's corner cases against brute force, example by example: two examples with the
-    same context, an empty context (the ending's first token is not scored, as in build-nanogpt,
-    and the endings start at position 0), one-token endings (scored from the context's last position
-    alone), endings that share their first words, and rows of very different lengths in one batch,
-    at any batch size, with one shape or not."""
-    hf, ours = hf_and_ours
+def test_packed_rows_of_any_shape(ours, enc):
+    """The packed row's corner cases (CORNER_CASES) against the brute force with our own model,
+    example by example, at any batch size, with one shape or not."""
     assert len(enc.encode(" a")) == 1
-    long_ctx = " ".join(WORDS * 2)
-    examples = [dict(ctx="a man is seen", label=0, endings=["a", "the dog", "the dog is", "they walk"]),
-                dict(ctx="a man is seen", label=1, endings=["smiles", "a", "then a woman", "camera up"]),
-                dict(ctx="", label=2, endings=["a man walks", "the dog holds", "then up", "a ball kitchen"]),
-                dict(ctx=long_ctx, label=3, endings=["a", "to walk the dog", "a ball", "holds a camera up"]),
-                dict(ctx="the woman then", label=0, endings=["walks", "a dog", "smiles", "is seen up"])]
-    assert_as_brute_force(ours, hf, examples, ((1, False), (2, False), (16, False), (2, True), (16, True)))
+    assert_as_brute_force(ours, CORNER_CASES, ((1, False), (2, False), (16, False), (2, True), (16, True)))
 
 
-def test_bf16_forward_float32_loss(hf_and_ours):
-    _, ours = hf_and_ours
+def test_scores_as_build_nanogpt_with_a_hf_model(hf_and_ours):
+    """HF parity: on our GPT loaded from a HF GPT-2 folder, the scorer gives every ending the loss
+    build-nanogpt's scoring gives it with HF's model, and the same counts."""
+    hf, ours = hf_and_ours
+    examples = make_examples(12, seed=3) + CORNER_CASES
+    reference = brute_forced(hf, examples)
+    assert_scored_as(reference, losses_of(ours, examples, 7), "hf")
+
+
+def test_bf16_forward_float32_loss(ours):
     s32, _, order32, _ = losses_of(ours, make_examples(8, seed=1))
     s16, _, order16, _ = losses_of(ours, make_examples(8, seed=1), dtype="bfloat16")
     assert order16 == order32
@@ -200,47 +241,36 @@ def test_bf16_forward_float32_loss(hf_and_ours):
 
 
 @pytest.mark.quick
-def test_long_examples_lose_context_from_the_left(hf_and_ours, capsys, enc):
+def test_long_examples_lose_context_from_the_left(ours, capsys, enc):
     """An example longer than block_size keeps the last tokens of its context that leave room for
     its longest ending: each ending is scored as that context, then the ending, in one sequence
     within block_size; one line says how many examples lost tokens."""
-    _, ours = hf_and_ours  # block_size 64
-    e = dict(make_examples(1)[0], ctx=" ".join(["kitchen"] * 100),
-             endings=["a man", "the dog is seen to walk then smiles", "up", "a woman holds the camera up"])
-    tokens, _, _ = render_example(e)
-    assert tokens.size(1) > 64
+    e = CORNER_CASES[4]
+    ctx, endings = enc.encode(e["ctx"]), [enc.encode(" " + ending) for ending in e["endings"]]
+    assert len(set(map(len, endings))) == 4 and 0 < BLOCK - max(map(len, endings)) < len(ctx)
     s, _, _, (n, _, _) = losses_of(ours, [e])
     assert n == 1
-    said = "1 examples are longer than block_size=64: their contexts lose tokens from the left"
+    said = f"1 examples are longer than block_size={BLOCK}: their contexts lose tokens from the left"
     assert said in capsys.readouterr().out
-    ctx, endings = enc.encode(e["ctx"]), [enc.encode(" " + ending) for ending in e["endings"]]
-    keep = 64 - max(map(len, endings))
-    assert len(set(map(len, endings))) == 4 and 0 < keep < len(ctx)
-    want = []
-    with torch.no_grad():  # the context's last `keep` tokens, then the ending, through the plain forward
-        for ending in endings:
-            row = torch.tensor(ctx[-keep:] + ending)
-            logits, _ = ours(row[None])
-            want.append(F.cross_entropy(logits[0, keep - 1:-1], row[keep:], reduction="sum"))
-    assert torch.allclose(s[0], torch.stack(want), atol=1e-4), (s, want)
+    want, _ = one_sequence_losses(ours, e)
+    assert torch.allclose(s[0], want, atol=1e-4), (s, want)
 
 
-def test_the_compiled_eval_counts_as_the_eager_one(hf_and_ours):
+def test_the_compiled_eval_counts_as_the_eager_one(ours):
     """With one shape the eval compiles to one graph (no recompile over its batches, the last one
-    padded) and counts what the eager eval counts."""
+    padded) and counts what the eager eval counts, and the brute force."""
     import torch._dynamo
-    _, ours = hf_and_ours
     examples = make_examples(23, seed=2)
-    eager = scoring.evaluate(ours, scoring.prepare(examples, 64, "cpu", 5))
+    eager = scoring.evaluate(ours, scoring.prepare(examples, BLOCK, "cpu", 5))
     torch._dynamo.reset()
-    prepared = scoring.prepare(examples, 64, "cpu", 5, one_shape=True)
+    prepared = scoring.prepare(examples, BLOCK, "cpu", 5, one_shape=True)
     assert len({(tuple(x.shape), tuple(at.shape)) for x, _, _, at, _, _ in prepared[0]}) == 1
     counters = torch._dynamo.utils.counters
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = scoring.evaluate(ours, prepared, compile=True)
     assert counters["stats"]["unique_graphs"] == 1  # it was compiled, to one graph
-    assert compiled.tolist() == eager.tolist()
+    assert compiled.tolist() == eager.tolist() == brute_forced(ours, examples)[2]
 
 
 @pytest.mark.quick
@@ -309,32 +339,45 @@ def test_a_failed_download_leaves_no_folder_it_made(tmp_path):
     assert os.listdir(tmp_path / "there") == []
 
 
-def test_standalone_cli(tmp_path, hf_and_ours):
-    """python hellaswag.py --model <HF dir> --file ... prints what evaluate counts; a .pt checkpoint and
-    a run's log_dir too."""
+def run_tool(*args):
     import sys
     from conftest import ROOT
-    hf, ours = hf_and_ours
+    return commands.run([sys.executable, "hellaswag.py", *args], cwd=ROOT, capture_output=True, text=True,
+                        env=one_thread())
+
+
+def test_standalone_cli(tmp_path, ours):
+    """python hellaswag.py --model <a .pt checkpoint> --file ... prints the counts of the brute force
+    with that model; a run's log_dir too (its newest checkpoint); a missing file is one line."""
     examples = make_examples(20, seed=7)
     write_file(tmp_path / "h.jsonl", examples)
-    hf.save_pretrained(tmp_path / "hfdir")
-    *_, (n, c, cn) = losses_of(ours, examples[:15])
+    n, c, cn = brute_forced(ours, examples[:15])[2]
     want = f"acc: {c / n:.4f} acc_norm: {cn / n:.4f}"
     torch.save({"model": ours.state_dict(), "config": ours.config.__dict__}, tmp_path / "model_00001.pt")
-    def run(*args):
-        return commands.run([sys.executable, "hellaswag.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          env=one_thread())
     data = str(tmp_path / "h.jsonl")
-    for model in (tmp_path / "hfdir", tmp_path / "model_00001.pt", tmp_path):  # a log_dir: its newest
-        r = run("--model", str(model), "--file", data, "--device", "cpu", "--limit", "15")
+    for model in (tmp_path / "model_00001.pt", tmp_path):  # a log_dir: its newest
+        r = run_tool("--model", str(model), "--file", data, "--device", "cpu", "--limit", "15")
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip().splitlines()[-1] == want
     newest = f"{tmp_path}: its newest checkpoint, {tmp_path / 'model_00001.pt'}\n"
     assert r.stderr.startswith(newest), r.stderr
-    r = run("--model", str(tmp_path / "hfdir"), "--file", str(tmp_path / "missing.jsonl"))
+    r = run_tool("--model", str(tmp_path / "model_00001.pt"), "--file", str(tmp_path / "missing.jsonl"))
     assert r.returncode == 1
     assert r.stderr.strip() == (f"error: {tmp_path / 'missing.jsonl'}: no such file "
                                 f"(expected HellaSwag jsonl, one example per line)")
+
+
+def test_standalone_cli_reads_a_hf_folder(tmp_path, hf_and_ours):
+    """python hellaswag.py --model <HF dir> prints the counts of build-nanogpt's scoring with the HF
+    model itself."""
+    hf, _ = hf_and_ours
+    examples = make_examples(15, seed=7)
+    write_file(tmp_path / "h.jsonl", examples)
+    hf.save_pretrained(tmp_path / "hfdir")
+    n, c, cn = brute_forced(hf, examples)[2]
+    r = run_tool("--model", str(tmp_path / "hfdir"), "--file", str(tmp_path / "h.jsonl"), "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == f"acc: {c / n:.4f} acc_norm: {cn / n:.4f}"
 
 
 @pytest.mark.quick
@@ -352,15 +395,22 @@ def test_synthetic_examples_are_what_write_synthetic_writes(tmp_path):
 
 
 @pytest.mark.quick
-def test_load_for_training_in_one_process(tmp_path, hf_and_ours):
-    """The examples of the file, prepared; else one line that says why and what to pass."""
-    _, ours = hf_and_ours
-    write_file(tmp_path / "h.jsonl", make_examples(3))
-    got = scoring.load_for_training(str(tmp_path / "h.jsonl"), ours, 2, 256, "cpu")  # 2 examples a batch
-    want = scoring.prepare(make_examples(3), 64, "cpu", 2)
-    assert scoring.evaluate(ours, got).tolist() == scoring.evaluate(ours, want).tolist()
+def test_load_for_training_in_one_process(tmp_path, ours):
+    """The examples of the file, prepared in batches of examples_per_batch(B, T): a batch holds no
+    more tokens than a training micro-batch (B x T), or one example, and they score as the brute
+    force with our own model, with one shape or not. Else one line that says why and what to pass."""
+    examples = make_examples(12)
+    write_file(tmp_path / "h.jsonl", examples)
+    reference = brute_forced(ours, examples)
+    for B, T, one_shape in ((1, 64, False), (2, 256, False), (4, 512, True), (16, 1024, False)):
+        got = scoring.load_for_training(str(tmp_path / "h.jsonl"), ours, B, T, "cpu", one_shape)
+        for x, *_ in got[0]:
+            assert x.size(0) <= scoring.examples_per_batch(B, T) and x.numel() <= max(B * T, x.size(1))
+        assert_scored_as(reference, losses_of(ours, examples, prepared=got), (B, T, one_shape))
+    assert len(got[0]) == 1  # 16 x 1024 tokens: the 12 examples in one batch
     flat = lambda prepared: [t.tolist() for t in torch.utils._pytree.tree_leaves(prepared)]
-    assert flat(got) == flat(want)
+    got = scoring.load_for_training(str(tmp_path / "h.jsonl"), ours, 2, 256, "cpu")  # 2 examples a batch
+    assert flat(got) == flat(scoring.prepare(examples, BLOCK, "cpu", 2))
     advice = "; pass --hellaswag_file=PATH (a HellaSwag val jsonl file) or --hellaswag=False"
     with pytest.raises(UserError) as e:
         scoring.load_for_training(str(tmp_path / "missing.jsonl"), ours, 2, 256, "cpu")

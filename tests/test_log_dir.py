@@ -82,6 +82,29 @@ def test_a_run_that_ends_removes_its_run_lock(data, tmp_path):
     assert sorted(os.listdir(log_dir)) == before  # run.lock taken, then removed; nothing else touched
 
 
+# The trainer run to its end inside this wrapper, then the threads it left running: python waits for
+# each non-daemon one before it exits, so a writer or logger thread that hangs would hang every run.
+THREADS_LEFT = """import os, runpy, sys, threading
+sys.argv[0] = os.path.join(os.environ["ROOT"], "train_gpt2.py")
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    print("threads left:", left, flush=True)
+    if left:  # now, not once they end
+        os._exit(1)
+"""
+
+
+@pytest.mark.quick
+def test_a_run_that_ends_leaves_no_thread_running(data, tmp_path):
+    """A finished run has ended every thread it started that python would wait for at its exit."""
+    (tmp_path / "left.py").write_text(THREADS_LEFT)
+    r = run_script([*ARGS, f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--max_steps=3",
+                    "--checkpoint_interval=2"], script=str(tmp_path / "left.py"), ROOT=ROOT, PYTHONPATH=ROOT)
+    assert r.returncode == 0 and "threads left: []" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
 @pytest.mark.quick
 def test_a_refused_launch_leaves_the_lock_file_as_it_was(tmp_path, locks):
     """The holder's line, bytes, inode and mtime stay; the refusal names the holder; once the holder's

@@ -23,15 +23,15 @@ data, one = test_resume.data, test_resume.one  # its fixtures: pytest finds them
 
 FP16 = ["--dtype=float16"]
 
-# A gradient poisoned in the given steps of a run from scratch, on every rank: lm_head's (tied to wte)
-# times FACTOR. SCALE: GradScaler's first loss scale (None: its own, 65536).
+# A gradient poisoned in the given steps of a run from scratch, on every rank: the model's first
+# parameter's times FACTOR. SCALE: GradScaler's first loss scale (None: its own, 65536).
 POISON = """
 BAD, FACTOR, SCALE, hooks = {bad}, {factor}, {scale}, []
 
 
 def step_begins(step):
     if step in BAD:
-        hooks.append(run['model'].lm_head.weight.register_hook(lambda g: g * FACTOR))
+        hooks.append(next(run['model'].parameters()).register_hook(lambda g: g * FACTOR))
 
 
 def after_update(step):
@@ -226,10 +226,11 @@ def row_0_nan(g):
     return torch.cat((g[:1] * float('nan'), g[1:]))
 
 
-def step_begins(step):  # rank 1 only, step 10: NaN in the gradient of the position-0 embedding
+def step_begins(step):  # rank 1 only, step 10: NaN in row 0 of the model's first parameter's gradient
     if rank == 1 and step == 10:
-        poison = lambda m, i, out: out.register_hook(row_0_nan) and None
-        hooks.append(run['model'].transformer.wpe.register_forward_hook(poison))
+        # hooked as each forward begins: FSDP has gathered the whole parameter by then, the one it uses
+        poison = lambda model, inputs: hooks.append(next(model.parameters()).register_hook(row_0_nan))
+        hooks.append(run['model'].register_forward_pre_hook(poison))
 
 
 def after_update(step):
@@ -246,11 +247,12 @@ torch.amp.GradScaler.update = update_and_say
 
 
 def test_an_overflow_one_rank_sees_is_skipped_by_all(data, tmp_path):
-    """Issue 21.7: rank 1 alone makes wpe's row 0 gradient NaN. DDP's all-reduce spreads it to every
-    rank; FSDP's reduce-scatter leaves it in rank 0's shard only, and each rank's scaler checks its
-    own shard (DTensor all-reduces what they found). Every rank must skip the step and lower its
-    loss scale together (a rank that kept 65536 would mix differently scaled gradients from then
-    on), and FSDP with float16 must train as DDP does."""
+    """Issue 21.7: rank 1 alone makes row 0 of the model's first parameter's gradient NaN. DDP's
+    all-reduce spreads it to every rank; FSDP's reduce-scatter leaves it in rank 0's shard only
+    (rank 0 holds a parameter's first rows), and each rank's scaler checks its own shard (DTensor
+    all-reduces what they found). Every rank must skip the step and lower its loss scale together
+    (a rank that kept 65536 would mix differently scaled gradients from then on), and FSDP with
+    float16 must train as DDP does."""
     script = tmp_path / "one_rank.py"
     script.write_text(ONE_RANK)
     logs = {}

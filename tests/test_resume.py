@@ -520,28 +520,18 @@ TWO_CHECKPOINTS = ["--max_steps=2", "--checkpoint_interval=1", "--eval_interval=
 
 COUNT_READS = """
 import json
-import torch
-from torch.overrides import TorchFunctionMode
-T = torch.Tensor
-from tests.host_reads import READS as reads_by_name
-saves, modes = [], {}
-
-
-class HostReads(TorchFunctionMode):  # the host reads of tensor values, by name
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in reads_by_name:
-            saves[-1].append(func.__name__)
-        return func(*args, **(kwargs or {}))
+from tests.host_reads import HostReads
+saves, modes = [], {}  # the host reads of each save_checkpoint, by name; the counts going on
 
 
 def profile(frame, event, arg):  # each call of the trainer's save_checkpoint, from its start to its end
     if frame.f_code.co_name == 'save_checkpoint' and frame.f_code.co_filename == %r:
         if event == 'call':
-            saves.append([])
             modes[frame] = HostReads()
             modes[frame].__enter__()
         elif event == 'return':
-            modes.pop(frame).__exit__(None, None, None)
+            modes[frame].__exit__(None, None, None)
+            saves.append(modes.pop(frame).seen)
 sys.setprofile(profile)
 """
 

@@ -1,6 +1,9 @@
+import ast
 import glob
+import json
 import os
 import re
+import runpy
 import shutil
 
 import numpy as np
@@ -12,9 +15,12 @@ from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
 from gptkit.hardware import cpu_has_bf16
 from model import GPT, GPTConfig
 from test_hellaswag import make_examples, write_file
+from test_resume import wrapper
 from gptkit.hardware import autocast
-from gptkit.shards import DataLoaderLite, load_val_tokens
-from gptkit.tokenizer import get_gpt2_encoding
+from gptkit.shards import load_val_tokens
+from gptkit.tokenizer import EOT, get_gpt2_encoding
+
+VOCAB = 50304  # GPT-2's padded vocabulary: its EOT (50256) is below it
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A language model predicts the next token. "
         "Gradient descent lowers the loss one small step at a time. ") * 40
@@ -47,12 +53,14 @@ def test_end_to_end_tiny_run(tmp_path, enc):
     write_shards(data, "val", [tokens[:600]])
     write_shards(data, "train", [tokens[600:], tokens])
     write_file(tmp_path / "hella.jsonl", make_examples(12))
+    prompt = "The quick brown fox"
     r = run_script([*TINY, "--dtype=auto", f"--data_root={data}", f"--log_dir={log_dir}", "--B=4", "--T=32",
                     f"--hellaswag_file={tmp_path / 'hella.jsonl'}",
                     "--total_batch_size=256", "--max_steps=20", "--eval_interval=8", "--val_tokens=512",
-                    "--sample_interval=10", "--sample_length=8", "--checkpoint_interval=10"])
+                    "--sample_interval=10", "--sample_length=8", f"--sample_prompt={prompt}",
+                    "--checkpoint_interval=10", "--keep_checkpoints=0"])
     assert r.returncode == 0, r.stderr
-    assert "config:\n  data_root = " in r.stdout  # the effective configuration, printed once
+    assert f"\n  data_root = {str(data)!r}\n" in r.stdout  # the effective configuration, printed once
     assert r.stdout.count("config:\n") == 1 and r.stdout.count(f"precision: {dtype} (auto: ") == 1
     assert re.search(r"step     3 \| loss \d+\.\d{6} \| lr \d\.\d{4}e-\d\d \| norm \d+\.\d{4} "
                      r"\| dt \d+\.\d\dms \| tok/sec \d+", r.stdout)
@@ -73,8 +81,9 @@ def test_end_to_end_tiny_run(tmp_path, enc):
     assert log["val"][20] < log["val"][0] - 3
 
     samples = (log_dir / "samples.txt").read_text().splitlines()
-    assert len(samples) == 8 and all("Hello, I'm a language model," in s for s in samples)
-    assert samples[0].startswith("step 10 sample 0: ") and samples[4].startswith("step 20 sample 0: ")
+    assert len(samples) == 8 and samples[0].startswith("step 10 sample 0: ")
+    assert samples[4].startswith("step 20 sample 0: ")
+    assert all(ast.literal_eval(s.split(": ", 1)[1]).startswith(prompt) for s in samples)  # each continues it
 
     assert sorted(os.listdir(log_dir)) == ["log.txt", "model_00010.pt", "model_00020.pt", "run.json",
                                           "samples.txt"]  # run.lock: removed as the run ended
@@ -89,25 +98,44 @@ def test_end_to_end_tiny_run(tmp_path, enc):
     assert abs(val - ckpt["val_loss"]) < 1e-4 and abs(bpb - log["bpb"][20]) < 1e-4
 
 
+RECORD_DROPOUT = """
+import json, model
+seen, init = [], model.GPT.__init__
+def record(module, args, kwargs):  # each training forward's batch and dropout keys
+    if kwargs.get('dropout_keys') is not None:
+        seen.append([args[0].tolist(), args[1].tolist(), kwargs['dropout_keys'].tolist()])
+def probed(self, *a, **k):  # a hook on every GPT sees its calls, whatever forward it was given
+    init(self, *a, **k)
+    self.register_forward_pre_hook(record, with_kwargs=True)
+model.GPT.__init__ = probed
+"""
+
+
 @pytest.mark.quick
 def test_ddp_two_processes_equal_one_process(tmp_path):
     """torchrun, 2 processes x 2 micro-steps vs 1 process x 4 micro-steps, with dropout 0.1 (issue
     43): same losses, same parameters. Shards are sized so that the run changes shard and wraps
-    around. Each sequence's dropout masks come from the seed, the step and its place in the step:
-    the first step's loss is rebuilt here from those alone, and it is not the loss without dropout;
-    the val eval runs without dropout (its step-0 loss is the initial model's in eval mode)."""
+    around, and hold documents that each epoch shuffles. Each sequence's dropout mask comes from a
+    key of its own (the trainer's, seen here by a hook on the model's calls), the same on any number
+    of ranks: the first step's loss is rebuilt here from the initial model, its batches and their
+    keys, and it is not the loss without dropout; the val eval runs without dropout (its step-0 loss
+    is the initial model's in eval mode)."""
     rng = np.random.default_rng(0)
     data = tmp_path / "data"
     write_shards(data, "val", [rng.integers(0, 512, 600)])
-    write_shards(data, "train", [rng.integers(0, 512, 128 * 3 + 50), rng.integers(0, 512, 128 * 2 + 8)])
-    common = [*TINY, f"--data_root={data}", "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=128",
-              "--max_steps=8", "--eval_interval=4", "--val_tokens=464", "--sample_interval=0",
-              "--hellaswag=False",
+    # documents (EOT-separated), shuffled in a new order each epoch: every rank must draw the same order
+    docs = [np.where(rng.random(n) < 0.1, EOT, rng.integers(0, 512, n)) for n in (128 * 3 + 50, 128 * 2 + 8)]
+    write_shards(data, "train", docs)
+    common = [*TINY, f"--data_root={data}", f"--vocab_size={VOCAB}", "--B=2", "--T=16",
+              "--total_batch_size=128", "--max_steps=8", "--eval_interval=4", "--val_tokens=464",
+              "--sample_interval=0", "--hellaswag=False",
               # the attention key bias has an exactly-zero gradient (softmax ignores a constant shift);
               # Adam scales its float noise up to steps of ~lr, so a small lr keeps that noise < 1e-5
-              "--max_lr=1e-3", "--min_lr=1e-4", "--dropout=0.1"]
-    one = run_script([*common, f"--log_dir={tmp_path / 'one'}"])
+              "--max_lr=1e-3", "--min_lr=1e-4", "--dropout=0.1", "--seed=1337"]
+    probe = wrapper(tmp_path, "probe.py", RECORD_DROPOUT, after="print('forwards:', json.dumps(seen))")
+    one = run_script([*common, f"--log_dir={tmp_path / 'one'}"], script=probe, PYTHONPATH=ROOT)
     assert one.returncode == 0, one.stderr
+    forwards = json.loads(one.stdout.split("forwards:")[1])
     assert "grad_accum_steps=4" in one.stdout
     two = run_script([*common, f"--log_dir={tmp_path / 'two'}"], nproc=2)
     assert two.returncode == 0, two.stderr
@@ -125,24 +153,23 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
 
     p1 = torch.load(tmp_path / "one" / "model_00008.pt", weights_only=True)["model"]
     p2 = torch.load(tmp_path / "two" / "model_00008.pt", weights_only=True)["model"]
-    init = GPT(GPTConfig(block_size=32, vocab_size=512, n_layer=2, n_head=2, n_embd=32)).state_dict()
+    init = GPT(GPTConfig(block_size=32, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32)).state_dict()
     for k in p1:
         assert (p1[k] - p2[k]).abs().max().item() <= 1e-5, k
     assert any((p1[k] - init[k]).abs().max().item() > 1e-3 for k in p1)  # training did move them
     assert not glob.glob(str(tmp_path / "*" / "*.tmp*"))
 
-    torch.manual_seed(1337)  # the trainer's seed, then its model: the same initial weights
-    model = GPT(GPTConfig(block_size=32, vocab_size=512, n_layer=2, n_head=2, n_embd=32))
-    loader = DataLoaderLite(2, 16, 0, 1, "train", str(data), 4, 512, shuffle=True, seed=1337)
-    batches = [loader.next_batch() for _ in range(4)]
+    # 8 steps of 4 micro-steps of 2 sequences: every sequence of every step has a key of its own
+    assert len(forwards) == 8 * 4 and len({k for *_, keys in forwards for k in keys}) == 8 * 4 * 2
+    torch.manual_seed(1337)  # the run's seed, then its model: the same initial weights
+    model = GPT(GPTConfig(block_size=32, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32))
     model.dropout = 0.1
-    base = (1337 * 1_000_003 + 0) % 2 ** 31 << 32  # step 0
+    first_step = [tuple(map(torch.tensor, forward)) for forward in forwards[:4]]
     with torch.no_grad():
-        dropped = [model(x, y, dropout_keys=torch.arange(2 * m, 2 * m + 2) + base)[1] for m, (x, y) in
-                   enumerate(batches)]
-        plain = [model.eval()(x, y)[1] for x, y in batches]
+        dropped = [model(x, y, dropout_keys=keys)[1] for x, y, keys in first_step]
+        plain = [model.eval()(x, y)[1] for x, y, _ in first_step]
     assert abs(torch.stack(dropped).mean().item() - log1["train"][0]) < 1e-5
-    assert abs(torch.stack(plain).mean().item() - log1["train"][0]) > 1e-3
+    assert abs(torch.stack(plain).mean().item() - log1["train"][0]) > 5e-5  # 5x the rebuild's bound
     val, _ = val_reference(model, load_val_tokens(str(data), 464), 16, "float32", get_gpt2_encoding())
     assert abs(val - log1["val"][0]) < 1e-4  # log.txt holds 4 decimals
 
@@ -202,7 +229,9 @@ def test_quick_start_pipeline(tmp_path):
     assert sorted(log["train"]) == [0, 1, 2, 3] and log["val"][4] < log["val"][0] - 1
     assert (log_dir / "model_00004.pt").exists()
     samples = (log_dir / "samples.txt").read_text().splitlines()
-    assert len(samples) == 4 and all(re.match(r"step 4 sample \d: ['\"]def", s) for s in samples), samples
+    prompt = runpy.run_path(os.path.join(ROOT, "config", "demo_cpu.py"))["sample_prompt"]
+    assert len(samples) == 4 and all(re.match(r"step 4 sample \d: ", s) for s in samples), samples
+    assert all(ast.literal_eval(s.split(": ", 1)[1]).startswith(prompt) for s in samples), (prompt, samples)
 
 
 def test_hellaswag_in_training_same_for_any_world_size(tmp_path):
@@ -226,8 +255,8 @@ def test_evaluate_builds_no_graph(tmp_path):
     until the end of the eval (gigabytes per batch at the default sizes). Every forward of the trainer's
     val eval (reduction='none') is seen, in a run that evaluates twice."""
     data = random_shards(tmp_path / "data", 0, 16 * 5 + 1, [2000])
-    wrapper = tmp_path / "probe.py"
-    wrapper.write_text(
+    probe = tmp_path / "probe.py"
+    probe.write_text(
         "import os, runpy, sys, torch, model\n"
         "seen, forward = [], model.GPT.forward\n"
         "def probe(self, idx, targets=None, **kw):\n"
@@ -242,7 +271,7 @@ def test_evaluate_builds_no_graph(tmp_path):
     r = run_script([*TINY, f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--vocab_size=512",
                     "--B=2", "--T=16", "--total_batch_size=32", "--max_steps=2", "--eval_interval=2",
                     "--val_tokens=80",
-                    "--sample_interval=0", "--hellaswag=False"], script=str(wrapper),
+                    "--sample_interval=0", "--hellaswag=False"], script=str(probe),
                    PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stderr
     # 5 sequences of 16 in batches of 2: 3 batches per eval, evals at steps 0 and 2
