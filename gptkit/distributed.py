@@ -103,12 +103,13 @@ def wait_for_all():
     however short collective_timeout is: in the store, which counts each rank's calls."""
     if world_size() == 1:
         return
+    # the group's own store, whose counts start at zero: a restart on one node meets in a key space of its
+    # own (restart_store), one on several nodes in a new store. Not torchrun's attempt: each node's agent
+    # counts its own, and a node restarted for another's failure counts none (a hang, seen with 2 nodes)
     store = dist.distributed_c10d._get_default_store()
-    # keyed by torchrun's attempt too: a shared store outlives a restarted group's counts
-    attempt = f"wait_for_all/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-    n = store.add(f'{attempt}/calls/{rank()}', 1)
-    store.set(f'{attempt}/{n}/{rank()}', '')
-    keys = [f'{attempt}/{n}/{r}' for r in range(world_size())]
+    n = store.add(f'wait_for_all/calls/{rank()}', 1)
+    store.set(f'wait_for_all/{n}/{rank()}', '')
+    keys = [f'wait_for_all/{n}/{r}' for r in range(world_size())]
     store.wait(keys, timedelta(seconds=WAIT_FOR_ALL_TIMEOUT))
 
 

@@ -176,7 +176,8 @@ def finish(nodes, timeout=240):
         except subprocess.TimeoutExpired:
             for q in nodes:
                 kill_job(q)
-            raise AssertionError("the two-node job hung")
+            said = "\n".join(f"--- node {i}:\n{q.stdout.read()}" for i, q in enumerate(nodes))
+            raise AssertionError(f"the two-node job hung\n{said}")
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(outs)
     return "\n".join(outs)
 
