@@ -16,6 +16,10 @@ from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
 from commands import children, kill_job
 from test_resume import assert_same
 
+# the tests that share this module's runs (its fixtures) go to one xdist worker: each run happens once
+shares_runs = pytest.mark.xdist_group("test_parallel")
+
+
 STEPS = 16
 COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=128", f"--max_steps={STEPS}",
           "--eval_interval=8", "--val_tokens=256", "--sample_interval=0", "--checkpoint_interval=8",
@@ -92,6 +96,7 @@ def fsdp2(data, tmp_path_factory):
     return run_two(data, tmp_path_factory, "fsdp")
 
 
+@shares_runs
 def test_fsdp_matches_ddp(ddp2, fsdp2):
     """Same losses and weights within float rounding (a reduce-scatter sums in its own order), and
     FSDP holds about half the state per rank at 2 ranks."""
@@ -127,6 +132,7 @@ def test_fsdp_on_one_process_is_the_plain_run(data, tmp_path):
     assert a.keys() == b.keys() and all(abs(a[k][s] - b[k][s]) <= 1e-6 for k in a for s in a[k]), (a, b)
 
 
+@shares_runs
 def test_fsdp_checkpoint_resumes_on_one_process(fsdp2, data, tmp_path):
     """An FSDP run's mid-run checkpoint, resumed by one plain process, ends where a one-process
     run ends."""
@@ -182,6 +188,7 @@ def finish(nodes, timeout=240):
     return "\n".join(outs)
 
 
+@shares_runs
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_nodes_match_one_node(parallel, ddp2, fsdp2, data, tmp_path):
     """2 agents x 1 process = 1 agent x 2 processes, bit for bit."""
@@ -191,6 +198,7 @@ def test_two_nodes_match_one_node(parallel, ddp2, fsdp2, data, tmp_path):
     assert_same(ckpt(one_node), ckpt(tmp_path))
 
 
+@shares_runs
 def test_two_nodes_recover_from_a_dead_worker(fsdp2, data, tmp_path):
     """A worker of one node killed mid-run, --max-restarts=1: both nodes restart their workers in a
     new rendezvous, which resume from the last checkpoint; the run ends as an uninterrupted one."""
@@ -227,6 +235,7 @@ def test_fsdp_evals_hellaswag_and_samples_as_ddp(tmp_path):
     assert samples.count("sample 0:") == 2 and samples == (tmp_path / "ddp" / "samples.txt").read_text()
 
 
+@shares_runs
 def test_the_tied_weight_is_gathered_and_saved_once(ddp2, fsdp2):
     """Issue 21.14: wte and lm_head are one parameter; an FSDP checkpoint, like a DDP one, holds it
     once (both keys on one storage), not two gathered copies of it."""

@@ -19,6 +19,10 @@ from conftest import ROOT, one_thread, read_log, run_script
 from test_resume import args, assert_same, state, wait_for_step
 from test_step import wrapper
 
+# the tests that share this module's runs (its fixtures) go to one xdist worker: each run happens once
+shares_runs = pytest.mark.xdist_group("test_precision")
+
+
 data, one = test_resume.data, test_resume.one  # its fixtures: pytest finds them among this module's names too
 
 FP16 = ["--dtype=float16"]
@@ -166,6 +170,7 @@ def fp16(data, tmp_path_factory):
     return log_dir, r.stdout
 
 
+@shares_runs
 def test_float16_overflow_is_logged_and_skipped(fp16, data, one):
     log_dir, stdout = fp16
     assert "step    10 | loss " in stdout
@@ -178,6 +183,7 @@ def test_float16_overflow_is_logged_and_skipped(fp16, data, one):
     assert abs(read_log(one)["train"][119] - log["train"][119]) < 0.05
 
 
+@shares_runs
 def test_float16_resumes_bit_identically_after_kill9(fp16, data, tmp_path):
     """kill -9 after the checkpoint at step 20, then the same command: the same log, weights,
     AdamW state and loss scale (32768, restored: a fresh scaler would start at 65536)."""
@@ -205,6 +211,7 @@ def torchrun(script, run_args):
                       env=one_thread(PYTHONPATH=ROOT))
 
 
+@shares_runs
 def test_two_processes_skip_the_same_overflow(fp16, data, tmp_path):
     """torchrun, 2 processes, the same poisoned step: the all-reduced gradients overflow on every
     rank, every rank skips it (no hang, no divergence), and the run matches the 1-process run."""

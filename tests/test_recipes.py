@@ -19,6 +19,10 @@ from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
 from model import GPT, Block, GPTConfig
 from test_resume import start, state, wait_for_step, wrapper
 
+# the tests that share this module's runs (its fixtures) go to one xdist worker: each run happens once
+shares_runs = pytest.mark.xdist_group("test_recipes")
+
+
 STEPS = 40
 COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=128", f"--max_steps={STEPS}",
           "--eval_interval=20", "--val_tokens=256", "--sample_interval=0", "--checkpoint_interval=20",
@@ -113,6 +117,7 @@ def test_wsd_learning_rate_at_its_boundaries(data, tmp_path):
     assert all(cosine[s] == pytest.approx(reference_lr(s, 100)) for s in cosine)
 
 
+@shares_runs
 def test_wsd_resumes_in_its_stable_phase_with_a_raised_max_steps(muon1, data, tmp_path):
     """A WSD run's checkpoint from its stable phase (step 20 of 40: the decay starts at 32), resumed
     with max_steps=80: it trains on at max_lr (Muon's groups at muon_lr) and decays from step 64."""
@@ -223,6 +228,7 @@ def test_muon_steps_as_torch_muon_bit_for_bit():
     assert not any(torch.equal(a, b) for a, b in zip(ours, start))  # every matrix moved
 
 
+@shares_runs
 def test_muon_killed_and_resumed_is_bit_identical(muon1, data, tmp_path):
     """kill -9 after the checkpoint at step 20, the same command again: the same log, weights,
     AdamW moments and Muon momentum buffers, bit for bit."""
@@ -354,6 +360,7 @@ def test_muon_deals_its_matrices_so_every_rank_does_about_as_much(n_layer, n_emb
         assert max(by_order) > 1.1 * mean, (world, [x / mean for x in by_order])
 
 
+@shares_runs
 def test_muon_refuses_fsdp_and_a_changed_optimizer(muon1, data, tmp_path):
     """Under FSDP each rank holds shards of a matrix, which Muon must not orthogonalize as if they
     were the matrix: one line, before anything runs. A checkpoint's optimizer state belongs to its

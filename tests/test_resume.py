@@ -22,6 +22,10 @@ from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
 from commands import children, kill_job
 from gptkit.checkpoint import RESUME_KEYS
 
+# the tests that share this module's runs (its fixtures) go to one xdist worker: each run happens once
+shares_runs = pytest.mark.xdist_group("test_resume")
+
+
 MAX_STEPS = 120
 COMMON = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=256", f"--max_steps={MAX_STEPS}",
           "--eval_interval=20", "--val_tokens=256", "--sample_interval=0", "--checkpoint_interval=20",
@@ -126,6 +130,7 @@ def copy_checkpoint(src, dst, step, log_lines=None):
     (dst / "log.txt").write_text(text[:len(text) * 3 // 4] if log_lines is None else log_lines)
 
 
+@shares_runs
 def test_checkpoint_holds_everything_and_loads_weights_only(one):
     ckpts = sorted(p.name for p in one.glob("model_*.pt"))
     assert ckpts == [f"model_{s:05d}.pt" for s in range(20, MAX_STEPS + 1, 20)]
@@ -147,6 +152,7 @@ def test_checkpoint_holds_everything_and_loads_weights_only(one):
         "file": f"edufineweb_train_{order[shard]:06d}.npy"}
 
 
+@shares_runs
 @pytest.mark.parametrize("step", [20, 60])
 def test_resume_from_a_checkpoint_is_bit_identical(one, data, tmp_path, step):
     """A run stopped at a checkpoint and run again: the same log.txt, byte for byte, and the same
@@ -171,6 +177,7 @@ checkpoint.load_state = forgetful
 """
 
 
+@shares_runs
 def test_a_resume_that_misses_an_entry_fails_the_exact_resume_check(one, data, tmp_path):
     """Issue 54.4: what a checkpoint holds is listed once, and the check above compares every entry:
     an entry whose load side is missing makes it fail (a user's new state, an EMA, is one entry)."""
@@ -182,6 +189,7 @@ def test_a_resume_that_misses_an_entry_fails_the_exact_resume_check(one, data, t
         assert_resumed_exactly(state(one), state(tmp_path / "resumed"))
 
 
+@shares_runs
 def test_kill9_of_torchrun_then_the_same_command(two, data, tmp_path):
     """kill -9 of torchrun and both workers after the first checkpoint; the same command again
     resumes and ends as the uninterrupted run did."""
@@ -198,6 +206,7 @@ def test_kill9_of_torchrun_then_the_same_command(two, data, tmp_path):
     assert_same(state(two), state(log_dir))
 
 
+@shares_runs
 def test_torchrun_max_restarts_recovers_from_a_dead_worker(two, data, tmp_path):
     """torchrun --max-restarts=1, rank 1 killed mid-run: the group restarts (each attempt in its
     own rendezvous keys), resumes from the checkpoint and finishes as if nothing happened."""
@@ -219,6 +228,7 @@ def test_torchrun_max_restarts_recovers_from_a_dead_worker(two, data, tmp_path):
     assert_same(state(two), state(log_dir))
 
 
+@shares_runs
 def test_sigterm_checkpoints_the_current_step_and_exits_75(one, two, data, tmp_path):
     """SIGTERM (a scheduler's preemption): the step in flight finishes, a checkpoint of it is
     written, the process exits with 75; the same command resumes exactly. Once for one process,
@@ -254,6 +264,7 @@ def test_sigterm_checkpoints_the_current_step_and_exits_75(one, two, data, tmp_p
     assert_same(state(two), state(log_dir))
 
 
+@shares_runs
 @pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
 def test_elastic_resume_on_another_number_of_processes(one, two, data, tmp_path, first, then):
     """The first half on 2 processes (accumulation 4), the second on 1 (accumulation 8), and the
@@ -275,6 +286,7 @@ def test_elastic_resume_on_another_number_of_processes(one, two, data, tmp_path,
     assert_same(state({1: one, 2: two}[then]), state(tmp_path / "log"), tol=2e-5)
 
 
+@shares_runs
 def test_unloadable_newest_checkpoint_falls_back(one, data, tmp_path):
     """The newest checkpoints: two truncated (torch.load raises an OSError for some cuts), one
     with a flipped bit in a weight (torch.load alone would take it), one a pickle that would run
@@ -323,6 +335,7 @@ def test_unloadable_newest_checkpoint_falls_back(one, data, tmp_path):
     assert all((log_dir / f"model_{s:05d}.pt.bad").exists() for s in (50, 60, 80, 100))
 
 
+@shares_runs
 def test_read_error_is_not_corruption(one, data, tmp_path):
     """A checkpoint that cannot be read (here a folder in its place: an OSError, as an I/O error
     would be) is no proof that it is bad: the run stops and nothing is renamed or falls back."""
@@ -349,6 +362,7 @@ def test_no_loadable_checkpoint_is_an_error(data, tmp_path):
     assert sorted(os.listdir(log_dir)) == ["model_00010.pt"]
 
 
+@shares_runs
 def test_config_against_the_checkpoint(one, data, tmp_path):
     """A model-shape change is refused naming the keys; other changes are allowed and printed; a
     finished run has nothing to do; resume='never' refuses a folder with checkpoints."""
@@ -404,6 +418,7 @@ def inject_nan(bad_steps, cmd_args, tmp_path):
     return run_script(cmd_args, script=script, PYTHONPATH=ROOT)
 
 
+@shares_runs
 def test_non_finite_step_is_skipped(one, data, tmp_path):
     """A NaN gradient at step 30: no update (weights and AdamW state as before it), logged, and
     the run goes on. Steps 30.. all NaN: after max_bad_steps a checkpoint of the last good state
@@ -447,6 +462,7 @@ def test_non_finite_step_is_skipped(one, data, tmp_path):
     assert sorted(log["train"]) == list(range(MAX_STEPS)) and log["skip"] == {30: 1, 31: 2, 32: 3}
 
 
+@shares_runs
 def test_failed_checkpoint_write_keeps_the_earlier_ones(one, data, tmp_path):
     """A checkpoint write that fails (here: a file size limit, as a full disk) stops the run with
     the OS's reason; the earlier checkpoint is untouched, no temporary file is left, and the same
@@ -640,6 +656,7 @@ def test_resumed_optimizer_keeps_this_devices_settings(data, tmp_path):
                for i in seen["state"] for k in ("exp_avg", "exp_avg_sq", "step"))
 
 
+@shares_runs
 def test_ctrl_c_stops_like_sigterm_and_a_second_one_aborts(one, data, tmp_path):
     """Issue 21.9: the first Ctrl-C (SIGINT) finishes the step, writes its checkpoint and exits 75
     with one line; the same command resumes to the uninterrupted run's log and weights. In a
@@ -678,6 +695,7 @@ except KeyboardInterrupt:
 """
 
 
+@shares_runs
 def test_one_run_per_log_dir(one, data, tmp_path):
     """Issue 21.2: a second launch on a live run's log_dir (here: while the first is paused right
     after a checkpoint) exits at once, non-zero, with one line naming the log_dir and the holder,
@@ -769,6 +787,7 @@ def test_a_checkpoint_without_log_sizes_keeps_the_lines_before_its_step(tmp_path
     assert (tmp_path / "samples.txt").read_text() == ""
 
 
+@shares_runs
 def test_dropout_is_a_setting_that_a_resume_or_init_from_keeps(one, data, tmp_path):
     """Issue 43: dropout is not the model's shape: a run resumed with another dropout goes on
     (it says what changed) and trains with it; init_from's weights train with the dropout asked."""

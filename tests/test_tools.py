@@ -17,6 +17,10 @@ import commands
 from conftest import ROOT, TINY, one_thread, random_shards, read_log, run_script
 from model import GPT
 
+# the tests that share this module's runs (its fixtures) go to one xdist worker: each run happens once
+shares_runs = pytest.mark.xdist_group("test_tools")
+
+
 ARGS = [*TINY, "--B=2", "--T=16", "--total_batch_size=64", "--eval_interval=3", "--val_tokens=64",
         "--hellaswag=False", "--sample_interval=0", "--checkpoint_interval=3"]
 
@@ -41,6 +45,7 @@ def run(tmp_path_factory):
 
 # --- the console and run.json --------------------------------------------------------------------
 
+@shares_runs
 def test_step_line_shows_eta_and_no_mfu_on_a_cpu(run):
     """Issue 31.2: on a CPU no peak holds (a matmul timed at start gave MFUs of 20-292%), so each
     start says MFU is not shown and the step lines have none; the ETA counts down to 0 at the last
@@ -64,6 +69,7 @@ def test_gpu_peak_table(monkeypatch, name, flops):
     assert hardware.peak_flops("cuda:0", "bfloat16") == (flops, f"{name} datasheet")
 
 
+@shares_runs
 def test_run_json_records_each_start(run):
     log_dir, _ = run
     entries = json.loads((log_dir / "run.json").read_text())
@@ -153,6 +159,7 @@ def test_wandb_is_not_imported_when_off(tmp_path):
 
 # --- plot.py ---------------------------------------------------------------------------------------
 
+@shares_runs
 def test_plot_one_run(run, tmp_path):
     log_dir, _ = run
     out = tmp_path / "one.png"
@@ -177,6 +184,7 @@ def test_plot_leaves_out_panels_with_nothing_to_show(tmp_path):
     assert [title for title, _ in panels] == ["loss"] and (tmp_path / "b.png").stat().st_size > 10_000
 
 
+@shares_runs
 def test_plot_build_nanogpt_log_and_two_runs(run, tmp_path, capsys):
     """build-nanogpt's log.txt (same line format, hella lines) and ours overlaid, each labelled by
     its folder; a line that does not parse is skipped with a warning naming it."""
@@ -339,6 +347,7 @@ def hf_dir(tmp_path_factory):
     return folder
 
 
+@shares_runs
 def test_sample_is_seeded_for_a_checkpoint(run, tmp_path):
     log_dir, _ = run
     ckpt = str(log_dir / "model_00006.pt")
@@ -359,6 +368,7 @@ def test_sample_is_seeded_for_a_checkpoint(run, tmp_path):
         f"{log_dir}: its newest checkpoint, {ckpt}"), e.stderr
 
 
+@shares_runs
 def test_greedy_sample_matches_hf_generate(hf_dir, capsys, enc):
     """--top_k 1 is greedy decoding: the same tokens as HF transformers' generate on the same weights."""
     from transformers import GPT2LMHeadModel
@@ -371,6 +381,7 @@ def test_greedy_sample_matches_hf_generate(hf_dir, capsys, enc):
     assert printed == enc.decode(out[0].tolist())
 
 
+@shares_runs
 def test_sample_reads_hf_folders_and_openai_names(hf_dir, monkeypatch, capsys):
     sample.main(["--model", str(hf_dir), "--num_samples", "1", "--max_new_tokens", "5", "--device", "cpu"])
     from_folder = capsys.readouterr().out
@@ -459,6 +470,7 @@ def exported(run, tmp_path_factory):
     return log_dir / "model_00006.pt", out
 
 
+@shares_runs
 def test_export_loads_in_transformers_with_the_same_logits(exported):
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel
     ckpt, out = exported
@@ -477,6 +489,7 @@ def test_export_loads_in_transformers_with_the_same_logits(exported):
         assert (hf(idx).logits - ours(idx)[0][..., :50257]).abs().max().item() < 1e-4
 
 
+@shares_runs
 def test_export_files_are_readable_as_the_umask_says(exported):
     """Issue 21.10: every file of the export gets the mode a new file gets here (0o666 less the
     umask: readable by others on a shared model folder); model.safetensors was 0600."""
@@ -487,6 +500,7 @@ def test_export_files_are_readable_as_the_umask_says(exported):
     assert modes == {name: oct(0o666 & ~umask) for name in modes}
 
 
+@shares_runs
 def test_export_racing_another_writer_is_one_line(exported, tmp_path, monkeypatch):
     """Issue 21.8: another writer fills OUT_DIR while the export runs: one UserError naming it, that
     writer's files left alone, no temporary folder left behind."""
@@ -505,6 +519,7 @@ def test_export_racing_another_writer_is_one_line(exported, tmp_path, monkeypatc
     assert os.listdir(out) == ["theirs.txt"] and os.listdir(tmp_path) == ["race"]
 
 
+@shares_runs
 def test_export_tokenizer_is_tiktokens_gpt2(exported, enc):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(exported[1])
@@ -515,6 +530,7 @@ def test_export_tokenizer_is_tiktokens_gpt2(exported, enc):
     assert tok.eos_token_id == 50256
 
 
+@shares_runs
 def test_export_generates_in_a_pipeline_and_round_trips(exported):
     from transformers import pipeline
     ckpt, out = exported
@@ -528,6 +544,7 @@ def test_export_generates_in_a_pipeline_and_round_trips(exported):
         assert torch.equal(v, saved[k][:50257] if padded else saved[k]), k
 
 
+@shares_runs
 def test_export_errors(exported, run, tmp_path):
     ckpt, out = exported
     r = tool("export_hf.py", str(ckpt), str(out))
