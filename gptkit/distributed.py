@@ -104,8 +104,9 @@ def wait_for_all():
     if world_size() == 1:
         return
     # the group's own store, whose counts start at zero: a restart on one node meets in a key space of its
-    # own (restart_store), one on several nodes in a new store. Not torchrun's attempt: each node's agent
-    # counts its own, and a node restarted for another's failure counts none (a hang, seen with 2 nodes)
+    # own (restart_store), one on several nodes in a new store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
+    # Not keyed by torchrun's attempt: each node's agent counts its own, and a node restarted for
+    # another's failure counts none (a hang, seen with 2 nodes)
     store = dist.distributed_c10d._get_default_store()
     n = store.add(f'wait_for_all/calls/{rank()}', 1)
     store.set(f'wait_for_all/{n}/{rank()}', '')

@@ -2,13 +2,11 @@
 
 torchrun, and every command when TESTS_SUBPROCESS=1 is set (CI runs the quick tier so too), is a plain
 subprocess: every rank is a fresh interpreter. A lone `python script args` or `python -c code` starts
-instead from multiprocessing's forkserver, for speed: a fresh, single-threaded interpreter that imported
-PRELOAD once (most of a short run's start) and forks a child per command. The child takes the command's
-argv, folder, environment and output, seeds `random` and numpy's global generator afresh as a new
-interpreter would, runs the command, and ends as python ends: its exit status, its non-daemon threads
-joined, its atexit functions run. What it shares with its siblings: the hash seed, and PRELOAD's modules
-as imported (so a command whose environment changes a variable read at import runs as a subprocess).
-"""
+from multiprocessing's forkserver instead, for speed: a fresh single-threaded interpreter that imported
+PRELOAD once and forks a child per command. The child takes the command's argv, folder, environment
+and output, seeds `random` and numpy's global generator afresh, runs the command, and ends as python
+ends: its exit status, its non-daemon threads joined, then its atexit functions. It shares with its
+siblings the hash seed and PRELOAD's modules (a change to a variable read at import: a subprocess)."""
 import atexit
 import io
 import multiprocessing
@@ -27,8 +25,9 @@ PLAIN = os.environ.get("TESTS_SUBPROCESS") == "1"
 PRELOAD = ["torch", "torch._dynamo", "numpy", "tiktoken"]
 # A command that changes a variable of these prefixes runs as a subprocess: torch, numpy or python read
 # them at import (the server's stay), or they make it a rank, whose interpreter is a fresh one
-IMPORT_ENV = ("TORCH", "PYTORCH", "ATEN_", "OMP_", "MKL", "KMP_", "OPENBLAS", "ONEDNN", "DNNL", "CUDA",
-              "NCCL", "PYTHON", "LD_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+IMPORT_ENV = ("TORCH", "PYTORCH", "ATEN_", "OMP_", "GOMP_", "MKL", "KMP_", "OPENBLAS", "ONEDNN", "DNNL",
+              "CUDA", "NCCL", "NPY_", "PYTHON", "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG", "TMPDIR",
+              "COVERAGE_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 # ...but these, read when a run reads them (inductor sets its cache's in os.environ at its first compile)
 RUNTIME_ENV = {"PYTHONUNBUFFERED", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR"}
 PIPE, STDOUT = subprocess.PIPE, subprocess.STDOUT
@@ -60,9 +59,8 @@ def finish(p, timeout=None):
 
 
 def kill_job(p, timeout=60):
-    """kill -9 of p and every process it started, as a node failure does; returns once none of them
-    runs. torchrun starts each worker in a session of its own, so its process group is not enough."""
-    tree, todo = [], [p.pid]
+    """kill -9 of p and all it started (torchrun's workers, each in a session of its own): once none runs."""
+    tree, todo = [], [p.pid] if p.poll() is None else []  # a pid reaped may be another's now
     while todo:  # the whole tree first: a killed process's children are someone else's at once
         tree.append(todo.pop())
         todo += children(tree[-1])
@@ -100,14 +98,14 @@ def forkable(cmd, kw):
         return False
     if not set(kw) <= kinds or {kw.get("stdout"), kw.get("stderr")} - {None, PIPE, STDOUT}:
         return False
-    server, env = server_env(), kw.get("env") or os.environ
+    server, env = server_env(), os.environ if kw.get("env") is None else kw["env"]
     changed = {k for k in set(env) | set(server) if env.get(k) != server.get(k)}
     return not any(k.startswith(IMPORT_ENV) for k in changed - RUNTIME_ENV)
 
 
 def server_env():
-    """The forkserver's environment, started now if it is not yet: this process's, with one thread
-    (no thread of OpenMP's or OpenBLAS's pool may be running at a fork)."""
+    """The forkserver's environment, started now if it is not yet: this process's, with one thread (no
+    thread of OpenMP's pool may run at a fork). At exit, commands left running are killed first."""
     if not SERVER_ENV:
         multiprocessing.set_forkserver_preload(PRELOAD)
         saved = dict(os.environ)
@@ -116,33 +114,35 @@ def server_env():
         multiprocessing.forkserver.ensure_running()
         os.environ.clear()
         os.environ.update(saved)
+        atexit.register(lambda: [os.kill(p.pid, signal.SIGKILL) for p in multiprocessing.active_children()])
     return SERVER_ENV
 
 
 class Command:
     """What the tests use of subprocess.Popen (args, pid, returncode, stdout, stderr, poll, wait,
     communicate, send_signal, kill), over a subprocess or a command the server forked. Output asked
-    for with PIPE goes to a file, read when asked: no pipe fills up and blocks a command that nobody
-    reads meanwhile (torchrun's two nodes, each waiting for the other)."""
+    for with PIPE goes to a file: no pipe fills up and blocks a command that nobody reads meanwhile."""
 
     def __init__(self, cmd, forked, stdout=None, stderr=None, text=False, **kw):
         self.args, self.returncode, self.forked = cmd, None, forked
-        paths = {fd: tempfile.mkstemp()[1] for fd, to in ((1, stdout), (2, stderr)) if to == PIPE}
+        made = {fd: tempfile.mkstemp() for fd, to in ((1, stdout), (2, stderr)) if to == PIPE}  # (fd, path)
         if forked:
             ready, told = multiprocessing.get_context("forkserver").Pipe(duplex=False)
             self._p = multiprocessing.get_context("forkserver").Process(target=_child, args=(
-                cmd, os.path.abspath(kw.get("cwd") or os.getcwd()), dict(kw.get("env") or os.environ), paths,
+                cmd, os.path.abspath(kw.get("cwd") or os.getcwd()), dict(kw.get("env") or os.environ),
+                {fd: path for fd, (_, path) in made.items()},
                 stderr == STDOUT, kw.get("start_new_session"), told))
             self._p.start()
             told.close()
-            ready.poll(60)  # the child has its session and its output (or it ended)
+            ready.poll(None)  # the child has its session and its output (or it ended)
         else:
-            out, err = (open(paths[fd], "ab") if fd in paths else to for fd, to in ((1, stdout), (2, stderr)))
+            out, err = (made[fd][0] if fd in made else to for fd, to in ((1, stdout), (2, stderr)))
             self._p = subprocess.Popen(cmd, stdout=out, stderr=err, **kw)
         self.pid = self._p.pid
-        self.stdout, self.stderr = (open(paths[fd], "r" if text else "rb") if fd in paths else None
+        self.stdout, self.stderr = (open(made[fd][1], "r" if text else "rb") if fd in made else None
                                     for fd in (1, 2))
-        for path in paths.values():
+        for fd, path in made.values():
+            os.close(fd)
             os.unlink(path)
 
     def poll(self):
@@ -150,10 +150,7 @@ class Command:
         return self.returncode
 
     def wait(self, timeout=None):
-        try:
-            self._p.join(timeout) if self.forked else self._p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
+        self._p.join(timeout) if self.forked else self._p.wait(timeout)  # the latter raises TimeoutExpired
         if self.poll() is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
@@ -197,7 +194,7 @@ def _child(cmd, cwd, env, paths, merged, new_session, ready):
         ready.send(True)
         ready.close()
         if code is None:
-            runpy.run_path(cmd[1], run_name="__main__")
+            runpy.run_path(os.path.abspath(cmd[1]), run_name="__main__")  # python's __file__: absolute
         else:
             main = sys.modules["__main__"] = type(sys)("__main__")
             exec(compile(code, "<string>", "exec"), main.__dict__)
@@ -215,7 +212,8 @@ def _child(cmd, cwd, env, paths, merged, new_session, ready):
     threading._shutdown()  # as python ends: its non-daemon threads joined, then atexit's functions
     atexit._run_exitfuncs()
     for f in (sys.stdout, sys.stderr):
-        f.flush()
+        if f is not None and not f.closed:
+            f.flush()
     if interrupted:  # python's end after an unhandled Ctrl-C: killed by SIGINT
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)

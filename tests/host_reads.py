@@ -1,16 +1,12 @@
 """The ways the host reads a tensor's values, for every probe of the suite that counts them (a
-TorchFunctionMode sees each as the function called). A read inside another one is not seen (the mode
-is off while a function runs), so the outer one must be here: f"{loss:.4f}" is Tensor.__format__,
-which reads through item() within it; repr() and np.asarray() likewise.
+TorchFunctionMode sees each as the function called; a read inside another is not seen, so the outer one
+is here: f"{loss:.4f}" is Tensor.__format__, which reads through item()).
 
-Some calls always wait for the values: those in READS (a Python number or bool; nonzero and
-masked_select, whose size the host must learn), and indexing by a bool mask (to read or to write),
-which runs nonzero.
-A move to the host waits unless it is asked not to, but the tests run on a CPU, where the host and
-the device are one, so the probe goes by what the call asks for: .cpu(), and .to() naming the CPU or
-copy_() into a CPU tensor without non_blocking=True. Torch's own moves are not counted: they keep a
-tensor on its device (clip_grad_norm_ moves each norm to the first one's). Nor are gptkit/cpu.py's,
-which a GPU never runs: on a CPU they copy between the step's own tensors."""
+Always a read: READS (a Python number or bool; nonzero and masked_select, whose size the host must
+learn) and indexing by a bool mask. A move to the host waits unless asked not to; the tests run on a CPU,
+where host and device are one, so the probe goes by what the call asks for: .cpu(), .to() naming the
+CPU, copy_() into a CPU tensor, without non_blocking=True. Not counted: torch's own moves (clip_grad_norm_
+keeps each norm on its device) and gptkit/cpu.py's, which a GPU never runs."""
 import os
 import sys
 

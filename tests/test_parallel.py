@@ -182,8 +182,9 @@ def finish(nodes, timeout=240):
         except subprocess.TimeoutExpired:
             for q in nodes:
                 kill_job(q)
-            said = "\n".join(f"--- node {i}:\n{q.stdout.read()}" for i, q in enumerate(nodes))
-            raise AssertionError(f"the two-node job hung\n{said}")
+            for q in nodes:
+                q.stdout.seek(0)  # all each node said, the part communicate read too
+            raise AssertionError("the two-node job hung\n" + "\n".join(q.stdout.read() for q in nodes))
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(outs)
     return "\n".join(outs)
 

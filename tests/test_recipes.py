@@ -190,7 +190,6 @@ def test_muon_parameter_groups():
     assert sorted(muon + adamw) == sorted(names.values())  # nothing left out, nothing twice
     in_blocks = {id(p) for m in model.modules() if isinstance(m, Block) for p in m.parameters()}
     assert set(muon) == {n for n, p in model.named_parameters() if id(p) in in_blocks and p.dim() == 2}
-    assert len(muon) == 2 * 4  # each block: attention's two matrices and the MLP's two
     # so the matrices outside the blocks are AdamW's: the embedding tables and the output layer
     tables = [m.weight for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.Linear))
               and id(m.weight) not in in_blocks]
