@@ -428,18 +428,17 @@ ROOT = __ROOT__
 from gptkit.shards import DataLoaderLite
 from torch.overrides import TorchFunctionMode
 T = torch.Tensor
-from tests.host_reads import READS
-DATA_SIZED = {torch.nonzero, T.nonzero, torch.argwhere, T.argwhere, torch.unique, T.unique,
-              torch.unique_consecutive, torch.masked_select, T.masked_select}
-class Count(TorchFunctionMode):  # host reads, and ops whose output's size depends on the data
+from tests.host_reads import reads
+# besides the host reads (nonzero and mask indexing among them), the other ops whose output's size
+# depends on the data
+DATA_SIZED = {torch.argwhere, T.argwhere, torch.unique, T.unique, torch.unique_consecutive}
+class Count(TorchFunctionMode):
     seen = []
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        index = args[1] if func in (T.__getitem__, T.__setitem__) else ()
-        by_mask = any(torch.is_tensor(i) and i.dtype == torch.bool
-                      for i in (index if isinstance(index, tuple) else (index,)))
-        if func in READS or func in DATA_SIZED or by_mask:
+        kwargs = kwargs or {}
+        if reads(func, args, kwargs, sys._getframe(1).f_code.co_filename) or func in DATA_SIZED:
             self.seen.append(func.__name__)
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 mode, evaluate, next_batch = Count(), hellaswag_eval.evaluate, DataLoaderLite.next_batch
 def counting(*a, **k):  # from the first eval's first forward...
     hellaswag_eval.evaluate = evaluate
