@@ -15,6 +15,7 @@ import pytest
 import commands
 from conftest import ROOT, TINY, one_thread, random_shards, run_script
 from gptkit.run import LogDirLock
+from test_resume import wrapper
 
 ARGS = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=256", "--eval_interval=0",
         "--sample_interval=0", "--checkpoint_interval=5", "--hellaswag=False"]
@@ -24,6 +25,7 @@ ARGS = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=256", 
 HOLDER = """
 import sys
 from gptkit.run import LogDirLock
+from test_resume import wrapper
 lock = LogDirLock(sys.argv[1])
 assert lock.acquire() == ''
 print('locked', flush=True)
@@ -82,26 +84,22 @@ def test_a_run_that_ends_removes_its_run_lock(data, tmp_path):
     assert sorted(os.listdir(log_dir)) == before  # run.lock taken, then removed; nothing else touched
 
 
-# The trainer run to its end inside this wrapper, then the threads it left running: python waits for
-# each non-daemon one before it exits, so a writer or logger thread that hangs would hang every run.
-THREADS_LEFT = """import os, runpy, sys, threading
-sys.argv[0] = os.path.join(os.environ["ROOT"], "train_gpt2.py")
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-finally:
-    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    print("threads left:", left, flush=True)
-    if left:  # now, not once they end
-        os._exit(1)
+# After the trainer's run, the threads it left running: python waits for each non-daemon one before it
+# exits, so a writer or logger thread that hangs would hang every run.
+THREADS_LEFT = """import threading
+left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+print("threads left:", left, flush=True)
+if left:  # now, not once they end
+    os._exit(1)
 """
 
 
 @pytest.mark.quick
 def test_a_run_that_ends_leaves_no_thread_running(data, tmp_path):
     """A finished run has ended every thread it started that python would wait for at its exit."""
-    (tmp_path / "left.py").write_text(THREADS_LEFT)
+    script = wrapper(tmp_path, "left.py", "", after=THREADS_LEFT)
     r = run_script([*ARGS, f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--max_steps=3",
-                    "--checkpoint_interval=2"], script=str(tmp_path / "left.py"), ROOT=ROOT, PYTHONPATH=ROOT)
+                    "--checkpoint_interval=2"], script=script, PYTHONPATH=ROOT)
     assert r.returncode == 0 and "threads left: []" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
