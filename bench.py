@@ -41,7 +41,7 @@ from gptkit.configurator import accumulation_steps, parse_config, trainer_defaul
 from gptkit.common import UserError
 from gptkit.hardware import autocast, choose_precision, cpu_has_bf16, matmul_flops, pick_device, sync
 from gptkit.shards import DataLoaderLite
-from gptkit.run import device_name
+from gptkit.hardware import device_name
 from model import GPT, GPTConfig, flops_per_token
 from gptkit.tokenizer import EOT, N_VOCAB
 

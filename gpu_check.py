@@ -39,7 +39,7 @@ from gptkit import memory
 from gptkit.configurator import parse_config, trainer_defaults
 from gptkit.common import UserError
 from gptkit.hardware import autocast, choose_precision, pick_device
-from gptkit.run import device_name
+from gptkit.hardware import device_name
 from gptkit.shards import val_batches
 from model import GPT, GPTConfig
 from gptkit.tokenizer import N_VOCAB

@@ -182,8 +182,7 @@ run.memory = micro_B, counted
 
 # -----------------------------------------------------------------------------
 # the data: total_batch_size tokens a step, micro_B * T per micro-step per rank
-# (it divides: parse_config checked B, and B="auto" is a divisor)
-grad_accum_steps = total_batch_size // (micro_B * T * world_size)
+grad_accum_steps = configurator.accumulation_steps(total_batch_size, micro_B, T, world_size)
 vocab = raw_model.config.vocab_size
 train_loader = DataLoaderLite(micro_B, T, rank, world_size, 'train', data_root, grad_accum_steps,
                               vocab, shuffle, seed)
@@ -206,7 +205,7 @@ if dev == 'cpu':
 if sharded:
     from gptkit import fsdp
     fsdp.shard(raw_model)
-device_type = torch.device(dev).type
+device_type = hardware.device_type(dev)
 opt = raw_model.configure_optimizers(weight_decay, max_lr, device_type, optimizer,
                                      muon_lr, muon_momentum)
 # float16 only: the loss scaled up so that small gradients survive

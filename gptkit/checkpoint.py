@@ -147,17 +147,18 @@ def load_state(state, ckpt, path):
     for key, obj in state.items():
         saved = ckpt.get(key)
         if not saved:  # a GradScaler that was off saved {}; an entry added since the checkpoint
-            if key not in ckpt and distributed.rank() == 0 and obj.state_dict():
+            # state_dict() on every rank: under FSDP it is a collective
+            if key not in ckpt and obj.state_dict() and distributed.rank() == 0:
                 print(f"warning: {path} holds no {key!r}: it starts afresh")
             continue
-        if isinstance(obj, torch.optim.Optimizer):
-            saved = dict(saved, param_groups=obj.state_dict()['param_groups'])
+        optimizer = getattr(obj, 'optimizer', obj)  # FSDP's WholeOptimizer: the optimizer it wraps
+        if isinstance(optimizer, torch.optim.Optimizer):
+            saved = dict(saved, param_groups=optimizer.state_dict()['param_groups'])
         try:
             obj.load_state_dict(saved)
         except UserError as e:  # the loader's: another data_root or shuffle
             raise UserError(f"{path}: {e}") from None
-        # an optimizer's state (FSDP's too) on a CPU would alias the checkpoint's memory map
-        optimizer = getattr(obj, 'optimizer', obj)
+        # an optimizer's state on a CPU would alias the checkpoint's memory map
         if isinstance(optimizer, torch.optim.Optimizer):
             for s in optimizer.state.values():
                 s.update({k: v.clone() for k, v in s.items() if torch.is_tensor(v) and v.is_cpu})

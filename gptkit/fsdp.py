@@ -82,8 +82,7 @@ class WholeOptimizer:
 
     def load_state_dict(self, opt_state):
         names = _names(self.model, self.optimizer)
-        groups = [dict(g, params=[names[i] for i in g['params']])
-                  for g in self.optimizer.state_dict()['param_groups']]
+        groups = [dict(g, params=[names[i] for i in g['params']]) for g in opt_state['param_groups']]
         state = {names[i]: s for i, s in opt_state['state'].items()}
         set_optimizer_state_dict(self.model, self.optimizer, {'state': state, 'param_groups': groups},
                                  options=StateDictOptions(full_state_dict=True))

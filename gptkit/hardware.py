@@ -1,4 +1,6 @@
 """The device, its precision (dtype "auto", autocast) and its peak FLOP/s for MFU; why: docs/precision.md."""
+import platform
+
 import torch
 
 from gptkit.common import UserError
@@ -120,3 +122,9 @@ def peak_flops(device, dtype):
             if re.search(rf"\b{key}\b", name):
                 return flops, f"{name} datasheet"
     return matmul_flops(device, dtype, n=4096, reps=5), "measured matmul"
+
+
+def device_name(device):
+    if device == 'cpu':  # torch's name for the processor, else the platform's
+        return torch.cpu.get_capabilities().get('cpu_name') or platform.processor() or platform.machine()
+    return torch.cuda.get_device_name(device) if device.startswith('cuda') else device

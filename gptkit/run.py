@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from gptkit import checkpoint, distributed
+from gptkit import checkpoint, distributed, hardware
 from gptkit.common import UserError, atomic_write
 
 EXIT_PREEMPTED = 75  # SIGTERM or Ctrl-C: checkpoint written, run the same command again (EX_TEMPFAIL)
@@ -206,7 +206,7 @@ class Run:
     def write_run_json(self, config, start):
         """This start's entry: the config, the code's commit, versions, hosts and devices."""
         device = self.device
-        mine = platform.node(), f"{device}: {device_name(device)}"
+        mine = platform.node(), f"{device}: {hardware.device_name(device)}"
         hosts, devices = zip(*distributed.gather_objects(mine))
         if distributed.rank() > 0:
             return
@@ -301,8 +301,3 @@ class LogDirLock:
         self.file.close()
         self.file = None
 
-
-def device_name(device):
-    if device == 'cpu':  # torch's name for the processor, else the platform's
-        return torch.cpu.get_capabilities().get('cpu_name') or platform.processor() or platform.machine()
-    return torch.cuda.get_device_name(device) if device.startswith('cuda') else device
