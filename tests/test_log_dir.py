@@ -25,7 +25,6 @@ ARGS = [*TINY, "--vocab_size=512", "--B=2", "--T=16", "--total_batch_size=256", 
 HOLDER = """
 import sys
 from gptkit.run import LogDirLock
-from test_resume import wrapper
 lock = LogDirLock(sys.argv[1])
 assert lock.acquire() == ''
 print('locked', flush=True)
