@@ -74,6 +74,7 @@ dtype = "auto"  # auto (the hardware's fast one), bfloat16, float16, float32
 compile = "auto"  # torch.compile: "auto" = on CUDA; True, False
 cpu_reuse_memory = True  # CPU on Linux: faster steps, more peak RSS
 parallel = "ddp"  # under torchrun: "ddp", or "fsdp" (sharded: docs/fsdp.md)
+bucket_cap_mb = 25  # DDP: MB of gradients per all-reduce; compiled, a graph piece per bucket
 collective_timeout = 600  # seconds a rank waits for the others after the first step
 seed = 1337  # the init, the data's order, the samples
 # Weights & Biases, rank 0 (pip install -r requirements-wandb.txt)
@@ -229,7 +230,7 @@ if ddp and not sharded:
     for p in raw_model.parameters():
         p.grad = torch.zeros_like(p)
     model = DDP(eval_model, device_ids=[local_rank] if cuda else None,
-                gradient_as_bucket_view=True)
+                gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb)
 if hellaswag and eval_interval > 0:
     # this rank's share of the examples, on the device once
     hella_data = hellaswag_eval.load_for_training(hellaswag_file, raw_model, micro_B, T, dev,
@@ -268,8 +269,12 @@ def save_checkpoint(val_loss):
 # -----------------------------------------------------------------------------
 # the loop: each step is evaluated, sampled and checkpointed when due, then
 # (unless it is the last) updated: step -> step + 1
-# From here SIGTERM and Ctrl-C set a flag, read at the loop's top (signal handlers)
+# From here SIGTERM and Ctrl-C set a flag, which the next step's all-reduce
+# carries to every rank (signal handlers)
 run.listen_for_stop_signals()
+# dt: the wall time from the end of one step to the end of the next, as
+# nanoGPT's, less the evals, samples and checkpoints (timed apart)
+t_last = time.time()
 for step in range(start_step, max_steps + 1):
     last_step = step == max_steps
     # a stop signal on any rank, or too many bad steps in a row: every rank
@@ -282,6 +287,7 @@ for step in range(start_step, max_steps + 1):
     do_eval = eval_interval > 0 and (step % eval_interval == 0 or last_step or do_checkpoint)
     do_sample = sample_interval > 0 and step > 0 and (step % sample_interval == 0 or last_step)
     if not run.evaluated and (do_eval or do_sample or do_checkpoint):
+        t_evals = time.time()
         val_loss = None
         # FSDP: the evals run on a whole copy of the weights, freed after them
         if sharded and (do_eval or do_sample):
@@ -337,6 +343,11 @@ for step in range(start_step, max_steps + 1):
         run.evals_done(do_eval)
         if do_checkpoint:
             save_checkpoint(val_loss)
+        if master_process:
+            done = [name for name, due in (('evals', do_eval), ('samples', do_sample),
+                                           ('checkpoint copy', do_checkpoint)) if due]
+            print(f"step {step:5d} | {', '.join(done)}: {time.time() - t_evals:.2f}s, not in dt")
+        t_last += time.time() - t_evals
     if last_step:
         break
 
@@ -345,7 +356,6 @@ for step in range(start_step, max_steps + 1):
         order = 'a new order' if shuffle else 'in order'
         print(f"step {step:5d} | epoch {train_loader.epoch} begins ({order})")
         run.log(f"{step} epoch {train_loader.epoch}")
-    t0 = time.time()
     model.train()
     # DDP: the gradients are zeroed in place, in its buckets
     opt.zero_grad(set_to_none=not isinstance(model, DDP))
@@ -377,10 +387,14 @@ for step in range(start_step, max_steps + 1):
         loss = loss / grad_accum_steps
         loss_accum += loss.detach()
         scaler.scale(loss).backward()
+    # the step's one all-reduce of its own: the loss we print (the mean over
+    # all ranks), a stop signal on any rank and a failed write on rank 0
+    stop, failed = run.flags()
+    reduced = torch.stack((loss_accum, torch.full_like(loss_accum, stop),
+                           torch.full_like(loss_accum, failed)))
     if ddp:
-        # the loss we print: the mean over all ranks
-        dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)
-        loss_accum /= world_size
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+    loss_accum = reduced[0] / world_size
     # float16: the gradients back to their true size, before clipping
     scaler.unscale_(opt)
     clip = grad_clip if grad_clip > 0 else math.inf
@@ -395,33 +409,38 @@ for step in range(start_step, max_steps + 1):
     # A non-finite loss or norm (the same on every rank) skips the update on
     # the device, with no host read before it is queued: fused AdamW and Muon
     # read found_inf, as GradScaler's do.
-    finite = torch.stack((torch.isfinite(loss_accum), torch.isfinite(norm)))
-    opt.found_inf = (~finite.all()).float()
+    opt.found_inf = (~torch.isfinite(torch.stack((loss_accum, norm))).all()).float()
     opt.step()
-    # the step's first host read, once its update is queued
-    finite_loss, finite_norm = finite.tolist()
+    # the step's one host read, once its update is queued: it waits for the
+    # step to finish, so dt is its real time
+    loss, norm, stops, failures = torch.stack((loss_accum, norm, *reduced[1:])).tolist()
+    t_end = time.time()
+    dt, t_last = t_end - t_last, t_end
+    finite_loss, finite_norm = math.isfinite(loss), math.isfinite(norm)
     # float16: a gradient that overflowed where GradScaler saw it (a loss scale
     # too high, which it lowers) is skipped, but is not a bad step
     scale = scaler.get_scale() if finite_loss and not finite_norm else 0
     scaler.update()
     overflow = scale > 1 and scaler.get_scale() < scale
-    # waits for the step to finish: dt is its real time
-    loss = loss_accum.item()
-    dt = time.time() - t0
-    run.end_step(good=finite_loss and finite_norm, overflow=overflow)
+    run.end_step(good=finite_loss and finite_norm, overflow=overflow, stop=stops > 0, failed=failures > 0)
     # the first step compiles: the ETA counts from its end
     if step == start_step:
         t_first = time.time()
         if master_process and sharded:
             mib = fsdp.state_mib(raw_model, opt)
             print(f"parameters, gradients and optimizer state per rank: {mib:.1f} MiB")
+        if master_process and use_compile and isinstance(model, DDP) and (pieces := hardware.graph_pieces()):
+            print(f"compiled under DDP: the training graph in {pieces} piece{'s' * (pieces > 1)}, one "
+                  f"per bucket of bucket_cap_mb={bucket_cap_mb} MB of gradients (docs/ddp.md)")
+        if master_process:
+            run.say_checkpoint_cost(checkpoint.state_bytes(raw_model, opt))
     if master_process:
         # the mean time of a step so far, and the time the steps left take at it
         step_time = dt if step == start_step else (time.time() - t_first) / (step - start_step)
         eta = round(step_time * (max_steps - step - 1))
         tok_per_sec = total_batch_size / dt
         mfu = f"mfu {tok_per_sec * flops_per_tok / (peak * world_size):.1%} | " if peak else ""
-        line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm.item():.4f} | "
+        line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
                 f"dt {dt * 1000:.2f}ms | tok/sec {tok_per_sec:.2f} | {mfu}"
                 f"eta {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s")
         run.log(f"{step} train {loss:.6f}")
@@ -433,3 +452,5 @@ for step in range(start_step, max_steps + 1):
                      f"max_bad_steps={max_bad_steps})")
             run.log(f"{step} skip {run.bad_steps}")
         print(line)
+# the last checkpoint on disk before the run ends (rank 0's writes; every rank learns how they went)
+run.finish_writes()

@@ -1,6 +1,7 @@
 """
 Checkpoints, log_dir/model_{step:05d}.pt: build-nanogpt's model, config, step and val_loss, plus what
-an exact resume needs (RESUME_KEYS). Rank 0 writes and validates them; gptkit/run.py says when.
+an exact resume needs (RESUME_KEYS). Rank 0 writes them, in the background, and validates them;
+gptkit/run.py says when.
 """
 import copy
 import os
@@ -176,44 +177,60 @@ def check_replicas(model, step):
                         f"one on matching hardware")
 
 
-def save(ckpt, log_dir, keep_checkpoints):
-    """Rank 0 writes its ckpt; every rank learns whether that worked: a failed write stops the run."""
-    error = write(ckpt, log_dir, keep_checkpoints) if distributed.rank() == 0 else None
-    distributed.wait_for_all()  # however long rank 0 took: the next collective is bounded again
-    if distributed.max_over_ranks(error is not None):
-        raise UserError(error or "rank 0 could not write a checkpoint")
+def state_bytes(model, optimizer):
+    """The bytes of a checkpoint's tensors: the whole weights and optimizer state (FSDP's too)."""
+    tensors = [t for p in model.parameters() for t in (p, *optimizer.state.get(p, {}).values())]
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
 
-def to_host(ckpt):
-    """ckpt with its tensors on the host: from a GPU the copies all start at once, into pinned memory.
+def to_host(ckpt, buffers, device):
+    """ckpt with the tensors that training goes on changing copied into buffers ({leaf's place:
+    tensor}), host memory kept from one save to the next; and None, or, from a GPU, the event that
+    marks the copies done (into pinned memory, they run while the host goes on). Those are the
+    device's tensors; a GPU run's host tensors are copies already (FSDP's gathered state, the RNG's).
     A tensor met twice (the tied wte/lm_head) is copied once; deepcopy keeps the rest as it is."""
-    copies, memo = {}, {}
-    for t in filter(torch.is_tensor, torch.utils._pytree.tree_leaves(ckpt)):
+    copies, memo, gpu = {}, {}, False
+    for i, t in enumerate(filter(torch.is_tensor, torch.utils._pytree.tree_leaves(ckpt))):
         key = t.data_ptr(), t.dtype, t.shape, t.stride()
-        if key not in copies:
-            copies[key] = t.to('cpu', non_blocking=True)  # a CPU tensor is returned as it is
+        if t.device.type != torch.device(device).type:
+            copies[key] = t
+        elif key not in copies:
+            if i not in buffers or (buffers[i].dtype, buffers[i].shape) != (t.dtype, t.shape):
+                buffers[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            copies[key] = buffers[i].copy_(t, non_blocking=True)
+            gpu = gpu or t.is_cuda
         memo[id(t)] = copies[key].detach()  # a tensor of its own, as torch.save would see t
-    return copy.deepcopy(ckpt, memo)
+    copied = None
+    if gpu:
+        copied = torch.cuda.Event()
+        copied.record()
+    return copy.deepcopy(ckpt, memo), copied
 
 
-def write(ckpt, log_dir, keep_checkpoints):
-    """Rank 0: the checkpoint, atomically, then the oldest beyond keep_checkpoints deleted; None, or
-    the line that says why the write failed."""
-    # the checksum is summed on the device after the copies: its one read waits for them too
-    host = dict(to_host(ckpt), checksum=checksum(ckpt))
+def write(ckpt, copied, log_dir, keep_checkpoints):
+    """Rank 0, on the writer thread, once the event copied (or None) says that ckpt is on the host:
+    the checkpoint with its checksum, atomically, then the oldest beyond keep_checkpoints deleted. A
+    UserError says why a write failed."""
+    if copied is not None:
+        copied.synchronize()
     path = os.path.join(log_dir, f"model_{ckpt['step']:05d}.pt")
-    for name in ckpt['logs']:  # the lines the checkpoint vouches for reach the disk first
+    # the lines the checkpoint vouches for, written before it on this thread, reach the disk first
+    ckpt['logs'] = log_sizes(log_dir)
+    for name in ckpt['logs']:
         with open(os.path.join(log_dir, name), 'a') as f:
             os.fsync(f.fileno())
+    ckpt['checksum'] = checksum(ckpt)
+    # the checksum is the one check (read_checkpoint's): torch.load would not check torch.save's CRC32
+    torch.serialization.set_crc32_options(False)
     try:
-        atomic_write(path, lambda f: torch.save(host, f))
+        atomic_write(path, lambda f: torch.save(ckpt, f))
     except (OSError, RuntimeError) as e:
         # a failed write makes torch.save raise 'unexpected pos', whose context is the OSError that says why
-        return (f"could not write the checkpoint {path} ({e.__context__ or e}); the earlier checkpoints are "
-                f"untouched: fix that (free some space, say) and run the same command again to resume")
+        raise UserError(f"could not write the checkpoint {path} ({e.__context__ or e}); the earlier "
+                        f"checkpoints are untouched: fix that (free some space, say) and run the same "
+                        f"command again to resume") from None
     for _, old in list_checkpoints(log_dir)[keep_checkpoints:] if keep_checkpoints > 0 else []:
         os.remove(old)  # only now that a newer one is complete
-    return None
 
 
 def resumed_model_config(ckpt, path, config):

@@ -77,13 +77,13 @@ def restart_store():
 
 
 def set_rank_environment(log_dir):
-    """What the user has not set: NCCL's flight recorder, dumped into log_dir when a collective times
-    out, and inductor's compile workers, this node's CPUs shared among its ranks."""
+    """What torch does not choose for a run, unless the user did: where NCCL's flight recorder dumps
+    when a collective times out, log_dir/nccl_trace_rank_N beside the run's log (torch records and dumps
+    by default, but into each node's ~/.cache/torch), and inductor's compile workers, this node's CPUs
+    shared among its ranks."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-    # keyed by the names the user may have set each under: torch still reads the older ones (second)
-    defaults = {('TORCH_NCCL_DUMP_ON_TIMEOUT',): '1',
-                ('TORCH_FR_BUFFER_SIZE', 'TORCH_NCCL_TRACE_BUFFER_SIZE'): '2000',
-                ('TORCH_FR_DUMP_TEMP_FILE', 'TORCH_NCCL_DEBUG_INFO_TEMP_FILE'):
+    # keyed by the names the user may have set each under: torch still reads the older one (second)
+    defaults = {('TORCH_FR_DUMP_TEMP_FILE', 'TORCH_NCCL_DEBUG_INFO_TEMP_FILE'):
                     os.path.join(os.path.abspath(log_dir), 'nccl_trace_rank_'),
                 ('TORCHINDUCTOR_COMPILE_THREADS',):
                     str(max(1, cpus // int(os.environ.get('LOCAL_WORLD_SIZE', 1))))}

@@ -128,3 +128,14 @@ def device_name(device):
     if device == 'cpu':  # torch's name for the processor, else the platform's
         return torch.cpu.get_capabilities().get('cpu_name') or platform.processor() or platform.machine()
     return torch.cuda.get_device_name(device) if device.startswith('cuda') else device
+
+
+def graph_pieces():
+    """How many pieces dynamo's DDP optimizer cut the compiled training graph into; None if it did not run."""
+    from torch._dynamo.utils import counters, get_optimize_ddp_mode
+    graphs = counters['stats']['unique_graphs']
+    if not graphs or get_optimize_ddp_mode() != 'ddp_optimizer':
+        return None
+    # AOTAutograd compiles each graph that dynamo captures once (the evals' too), but the one that DDP
+    # cut once for each piece: its count beyond one a graph is the pieces after the first
+    return counters['aot_autograd']['total'] - graphs + 1

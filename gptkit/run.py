@@ -1,8 +1,9 @@
 """
 The life of one training run, around what train_gpt2.py does in the open: how it ends (one line for
 an error, log_dir and the process group released), one run per log_dir, resume, stop signals and the
-bad-step halt, the two timeouts, and what it leaves in log_dir. The script holds one Run and calls it
-at set-up, resume, the loop's top, a step's end and a save. docs/resume.md tells the whole story.
+bad-step halt, the two timeouts, and what it leaves in log_dir, written on a thread of its own. The
+script holds one Run and calls it at set-up, resume, the loop's top, a step's end and a save.
+docs/resume.md tells the whole story.
 """
 import atexit
 import datetime
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -21,6 +23,9 @@ from gptkit import checkpoint, distributed, hardware
 from gptkit.common import UserError, atomic_write
 
 EXIT_PREEMPTED = 75  # SIGTERM or Ctrl-C: checkpoint written, run the same command again (EX_TEMPFAIL)
+# the write speed a checkpoint is assumed to get at worst (a busy shared file system), in bytes a second,
+# for the warning that a stop checkpoint may not fit in the time torchrun gives a stopping worker
+SLOW_WRITE_SPEED = 200e6
 
 
 class Run:
@@ -33,10 +38,16 @@ class Run:
         self.short_timeout = None  # collective_timeout, once the first step and evals are done
         self.evals_built = True
         self.stop_signal = ''  # 'SIGTERM' or 'Ctrl-C' once one asked the run to stop
+        self.stop_everywhere = False  # some rank's stop signal, as the last step's all-reduce told
         self.bad_steps = 0  # non-finite steps in a row
         self.evaluated = False  # the evals of the current step are done
         self.logs = {}  # the bytes of log.txt and samples.txt a resumed run keeps
         self.wandb = None
+        # Rank 0's writes to log_dir (log lines, samples, checkpoints), one after another on a thread of
+        # their own: the steps go on meanwhile. Python's exit waits for those given (a crash too).
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix='log_dir_writer')
+        self.writes = []  # their futures, until each is known to have worked
+        self.host_copy = {}  # a checkpoint's tensors in host memory, reused from one save to the next
         # how the process ends: an error as one line, then log_dir and the process group released
         sys.excepthook = self.excepthook
         atexit.register(self.release)
@@ -139,14 +150,18 @@ class Run:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
 
+    def flags(self):
+        """This rank's (stop signal, failed write) as 0 or 1, for the step's all-reduce to carry."""
+        return float(bool(self.stop_signal)), float(self.failed_write() is not None)
+
     def must_stop(self):
         """Whether every rank stops here: a stop signal on any rank, or too many bad steps in a row."""
-        signaled = distributed.max_over_ranks(bool(self.stop_signal))
-        return signaled or self.bad_steps >= self.config['max_bad_steps']
+        return self.stop_everywhere or self.bad_steps >= self.config['max_bad_steps']
 
     def stop(self, step):
         """Its checkpoint written: exit 75 after a signal, else the bad steps' error."""
         path, max_bad_steps = os.path.join(self.log_dir, f'model_{step:05d}.pt'), self.config['max_bad_steps']
+        self.finish_writes()
         if self.bad_steps < max_bad_steps:
             if distributed.rank() == 0:
                 print(f"{self.stop_signal or 'SIGTERM'}: stopped at step {step}; wrote {path}; run the same "
@@ -161,10 +176,14 @@ class Run:
         self.evaluated = True
         self.evals_built = self.evals_built or did_eval
 
-    def end_step(self, good, overflow):
-        """good: a finite loss and norm; overflow (float16): neither good nor bad. Once the first step
-        and evals are done, collectives wait collective_timeout: a stuck rank ends the run soon."""
+    def end_step(self, good, overflow, stop, failed):
+        """good: a finite loss and norm; overflow (float16): neither good nor bad; stop, failed: the
+        step's all-reduce of flags(), the same on every rank. Once the first step and evals are done,
+        collectives wait collective_timeout: a stuck rank ends the run soon."""
+        if failed:  # rank 0 says why; the others end alike, quietly
+            raise UserError(self.failed_write() or "rank 0 could not write to log_dir")
         self.bad_steps = 0 if good else self.bad_steps + (not overflow)
+        self.stop_everywhere = stop
         self.evaluated = False
         if self.short_timeout and self.evals_built:
             distributed.set_collective_timeout(self.short_timeout)
@@ -172,27 +191,66 @@ class Run:
             self.short_timeout = None
 
     def save(self, step, state, extra):
-        """Each entry of state, extra and the run's counters: rank 0 writes them (checkpoint.save). A
-        replica that diverged is never saved (FSDP's ranks hold shards: nothing to compare)."""
-        if isinstance(state['model'], torch.nn.Module):
+        """Each entry of state, extra and the run's counters, copied to host memory now; rank 0 writes
+        them in the background (checkpoint.write) while the steps go on. It first waits for the write
+        before, whose buffers it reuses. A replica that diverged is never saved (FSDP's ranks hold
+        shards: nothing to compare)."""
+        if isinstance(state['model'], torch.nn.Module) and distributed.world_size() > 1:
             checkpoint.check_replicas(state['model'], step)
-        logs = checkpoint.log_sizes(self.log_dir) if distributed.rank() == 0 else {}
         ckpt = dict(checkpoint.state_dicts(state), **extra, step=step, evaluated=self.evaluated,
-                    bad_steps=self.bad_steps, rng=checkpoint.rng_state(self.device), logs=logs)
-        checkpoint.save(ckpt, self.log_dir, self.config['keep_checkpoints'])
+                    bad_steps=self.bad_steps, rng=checkpoint.rng_state(self.device), logs={})
+        self.finish_writes()
+        if distributed.rank() == 0:
+            host, copied = checkpoint.to_host(ckpt, self.host_copy, self.device)
+            self.writes.append(self.writer.submit(checkpoint.write, host, copied, self.log_dir,
+                                                  self.config['keep_checkpoints']))
+
+    def failed_write(self):
+        """The line of rank 0's first write that failed, or None; it waits for none."""
+        while self.writes and self.writes[0].done():
+            if error := self.writes[0].exception():
+                return str(error)
+            self.writes.pop(0)
+        return None
+
+    def finish_writes(self):
+        """Every rank waits until rank 0's writes are done (however long: wait_for_all), then stops, as
+        one, if one failed."""
+        wait(self.writes)
+        error = self.failed_write()
+        distributed.wait_for_all()
+        if distributed.max_over_ranks(error is not None):
+            raise UserError(error or "rank 0 could not write to log_dir")
 
     def log(self, line):
-        """Rank 0: a line of log.txt ("{step} {kind} {value}"), and to W&B."""
-        with open(os.path.join(self.log_dir, 'log.txt'), 'a') as f:
-            f.write(line + '\n')
+        """Rank 0: a line of log.txt ("{step} {kind} {value}"), and to W&B, in the background."""
+        self.writes.append(self.writer.submit(self.write_log, line))
+
+    def write_log(self, line):
+        append(os.path.join(self.log_dir, 'log.txt'), line + '\n')
         if self.wandb is not None:
             step, kind, value = line.split()
             self.wandb.log({kind: float(value)}, step=int(step))
 
     def samples(self, lines):
         print("\n".join(lines))
-        with open(os.path.join(self.log_dir, 'samples.txt'), 'a') as f:
-            f.write("\n".join(lines) + "\n")
+        self.writes.append(self.writer.submit(append, os.path.join(self.log_dir, 'samples.txt'),
+                                              "\n".join(lines) + "\n"))
+
+    def say_checkpoint_cost(self, nbytes):
+        """Rank 0, after the first step: the host memory a checkpoint's copy takes, and a warning when a
+        stop (the write in flight, then the stop checkpoint's) at SLOW_WRITE_SPEED would outlast the
+        time torchrun gives a stopping worker before it kills it."""
+        pinned = ', pinned' if self.device.startswith('cuda') else ''
+        print(f"checkpoints: each save copies {nbytes / 2 ** 20:,.0f} MiB to host memory (kept{pinned}), "
+              f"then writes it in the background")
+        grace = int(os.environ.get('TORCH_ELASTIC_SHUTDOWN_TIMEOUT', 30))
+        stop_s = 2 * nbytes / SLOW_WRITE_SPEED
+        if 'TORCHELASTIC_RUN_ID' in os.environ and stop_s > grace:
+            print(f"warning: a stop may write two checkpoints (the one in flight, then its own): "
+                  f"{stop_s:.0f} s at {SLOW_WRITE_SPEED / 1e6:.0f} MB/s, more than the {grace} s that "
+                  f"torchrun waits before it kills a stopping worker; give it more with "
+                  f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={round(stop_s * 1.5)} (docs/resume.md)")
 
     def start_wandb(self, config):
         import wandb  # configurator.check_config made sure that every rank has it
@@ -238,6 +296,15 @@ class Run:
                 except ValueError as e:  # never half-written (atomic): edited by hand
                     raise UserError(f"{path} is not JSON ({e}): fix it, or move it away") from None
         atomic_write(path, lambda f: f.write(json.dumps(entries + [entry], indent=1).encode()))
+
+
+def append(path, text):
+    """text at the end of the file at path; an error names the file."""
+    try:
+        with open(path, 'a') as f:
+            f.write(text)
+    except OSError as e:
+        raise UserError(f"could not write {path} ({e})") from None
 
 
 class LogDirLock:

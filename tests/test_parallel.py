@@ -267,8 +267,8 @@ STUCK = ("error: rank 0 waited more than {} s for the other ranks: one of them i
 
 ENV_PROBE = """
 import os, runpy, sys, torch.distributed as dist
-KEYS = ('TORCH_FR_BUFFER_SIZE', 'TORCH_NCCL_TRACE_BUFFER_SIZE', 'TORCH_NCCL_DUMP_ON_TIMEOUT',
-        'TORCH_FR_DUMP_TEMP_FILE', 'TORCHINDUCTOR_COMPILE_THREADS')
+KEYS = ('TORCH_FR_DUMP_TEMP_FILE', 'TORCH_NCCL_DEBUG_INFO_TEMP_FILE', 'TORCH_FR_BUFFER_SIZE',
+        'TORCH_NCCL_DUMP_ON_TIMEOUT', 'TORCHINDUCTOR_COMPILE_THREADS')
 def init_process_group(**kw):  # the environment the group is made in; then the run ends
     print('probe: inductor read its config before:', 'torch._inductor.config' in sys.modules)
     import torch._inductor.config as inductor
@@ -282,12 +282,12 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
-def test_the_group_is_made_with_nccls_flight_recorder_and_a_share_of_the_cpus(tmp_path):
-    """Issue 45.2 and 45.5: under torchrun (its variables given here), before the process group is
-    made: NCCL's flight recorder on, dumped on a timeout into log_dir/nccl_trace_rank_N, and inductor's
-    compile workers this process's CPUs divided by the ranks of its node, read by inductor (not read
-    before); whatever the user set stays as set (the buffer's size and the dump's path under their older
-    names too: torch reads those, and warns that the buffer's is deprecated)."""
+def test_the_group_is_made_with_the_flight_recorders_dump_in_log_dir_and_a_share_of_the_cpus(tmp_path):
+    """Issue 45.2, 45.5 and 56.6: under torchrun (its variables given here), before the process group is
+    made: NCCL's flight recorder dumps on a timeout into log_dir/nccl_trace_rank_N, its buffer and the
+    dump itself left to torch's defaults (2,000 entries, on), and inductor's compile workers are this
+    process's CPUs divided by the ranks of its node, read by inductor (not read before); whatever the
+    user set stays as set (the dump's path under its older name too: torch reads that one as well)."""
     torchrun = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", PYTHONPATH=ROOT)
     (tmp_path / "env.py").write_text(ENV_PROBE.format(root=ROOT))
     cpus = len(os.sched_getaffinity(0))
@@ -300,17 +300,18 @@ def test_the_group_is_made_with_nccls_flight_recorder_and_a_share_of_the_cpus(tm
                     if line.startswith("probe: TORCH")), r.stdout
 
     env, out = probe()
-    assert env == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "None",
-                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                   "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "log" / "nccl_trace_rank_"),
+    assert env == {"TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "log" / "nccl_trace_rank_"),
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "None", "TORCH_FR_BUFFER_SIZE": "None",
+                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "None",
                    "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, cpus // 2))}
     assert "probe: inductor read its config before: False" in out
     assert f"probe: compile_threads {max(1, cpus // 2)}\n" in out
-    env, out = probe(TORCH_NCCL_TRACE_BUFFER_SIZE="7", TORCHINDUCTOR_COMPILE_THREADS="5",
-                     TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(tmp_path / "mine_"))
-    assert env == {"TORCH_FR_BUFFER_SIZE": "None", "TORCH_NCCL_TRACE_BUFFER_SIZE": "7",
-                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                   "TORCH_FR_DUMP_TEMP_FILE": "None", "TORCHINDUCTOR_COMPILE_THREADS": "5"}
+    env, out = probe(TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(tmp_path / "mine_"),
+                     TORCH_NCCL_DUMP_ON_TIMEOUT="0", TORCHINDUCTOR_COMPILE_THREADS="5")
+    assert env == {"TORCH_FR_DUMP_TEMP_FILE": "None",
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "mine_"),
+                   "TORCH_FR_BUFFER_SIZE": "None", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+                   "TORCHINDUCTOR_COMPILE_THREADS": "5"}
     assert "probe: compile_threads 5\n" in out
 
 
