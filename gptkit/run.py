@@ -242,7 +242,7 @@ class Run:
         stop (the write in flight, then the stop checkpoint's) at SLOW_WRITE_SPEED would outlast the
         time torchrun gives a stopping worker before it kills it."""
         pinned = ', pinned' if self.device.startswith('cuda') else ''
-        print(f"checkpoints: each save copies {nbytes / 2 ** 20:,.0f} MiB to host memory (kept{pinned}), "
+        print(f"checkpoints: each save copies {nbytes / 2 ** 20:,.1f} MiB to host memory (kept{pinned}), "
               f"then writes it in the background")
         grace = int(os.environ.get('TORCH_ELASTIC_SHUTDOWN_TIMEOUT', 30))
         stop_s = 2 * nbytes / SLOW_WRITE_SPEED

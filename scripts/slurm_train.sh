@@ -30,7 +30,8 @@ gpus=${SLURM_GPUS_ON_NODE:-8}
 export OMP_NUM_THREADS=$(( ${SLURM_CPUS_PER_TASK:-8} / gpus > 0 ? ${SLURM_CPUS_PER_TASK:-8} / gpus : 1 ))
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # a new rendezvous store per restart (docs/resume.md)
 # torchrun passes SIGTERM on to its workers, then kills them after this many seconds (30 by default):
-# within --signal's 300 s lead, time for a 1558M checkpoint (~19 GB gathered, summed, written)
+# within --signal's 300 s lead, time for two 1558M checkpoints (~19 GB each: the one in flight, then the
+# stop's own; ~85 s each at 220 MB/s: docs/resume.md)
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=270
 export PYTHONUNBUFFERED=1  # rank 0's last lines (the SIGTERM line) reach the output file
 

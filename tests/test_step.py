@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 import commands
 from conftest import ROOT, TINY, one_thread, random_shards, read_log
@@ -635,12 +636,16 @@ def test_rank_0s_log_writes_hold_no_rank_and_a_step_has_one_collective(data, tmp
     the stop flag). A plain step issues one collective beyond DDP's bucket all-reduces: the loss, the
     stop flag and a failed write in one all-reduce (the process group's sequence number counts them)."""
     args = ["--max_steps=60", "--eval_interval=0", "--checkpoint_interval=0"]
-    r = launch(GAPS, tmp_path, argv(data, tmp_path / "log", *args), 2)
+    # torchrun gives a stopping worker no time: rank 0 warns that a stop checkpoint would not fit
+    no_grace = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0"}
+    r = launch(GAPS, tmp_path, argv(data, tmp_path / "log", *args), 2, no_grace)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     fast, slow = map(float, re.search(r"rank 1 ms a step: ([\d.]+) then ([\d.]+)", r.stdout).groups())
     assert slow - fast < 5, r.stdout[-3000:]
     assert re.findall(r"collectives a step beyond DDP's \d+: (.*)", r.stdout) == ["[1]", "[1]"], r.stdout
     assert sorted(read_log(tmp_path / "log")["train"]) == list(range(60))
+    assert r.stdout.count("more than the 0 s that torchrun waits before it kills a stopping worker; give "
+                          "it more with TORCH_ELASTIC_SHUTDOWN_TIMEOUT=") == 1, r.stdout[-3000:]
 
 
 ASYNC = wrapper("""
@@ -679,7 +684,6 @@ def said_at(event, r):
 
 def same_state(a, b):
     """Two checkpoints hold the same weights and optimizer state, bit for bit."""
-    import torch
     x, y = (torch.load(p, map_location="cpu", weights_only=True) for p in (a, b))
     tensors = lambda c: torch.utils._pytree.tree_leaves([c["model"], c["optimizer"]["state"]])
     return all(torch.equal(s, t) for s, t in zip(tensors(x), tensors(y)))
@@ -693,6 +697,14 @@ def test_steps_train_while_a_checkpoint_is_written(slow_written, data, tmp_path)
     one ends as the uninterrupted run did: the same log and the same final state, bit for bit."""
     from gptkit import checkpoint
     log, r = slow_written
+    # what rank 0 said after the first step: the copy's size, the tensors of a checkpoint; no warning
+    # within torchrun's 30 s
+    ckpt = torch.load(log / "model_00004.pt", weights_only=True)
+    tensors = {t.untyped_storage().data_ptr(): t.nbytes
+               for t in torch.utils._pytree.tree_leaves([ckpt["model"], ckpt["optimizer"]])
+               if torch.is_tensor(t)}
+    said = float(re.search(r"checkpoints: each save copies ([\d.]+) MiB to host memory", r.stdout)[1])
+    assert said == round(sum(tensors.values()) / 2 ** 20, 1) and "warning" not in r.stdout
     began, written = said_at("rank 0 writes slowly from", r), said_at("rank 0 has written at", r)
     during = {int(s) for rank, s, t in re.findall(r"rank (\d) begins step (\d+) at ([\d.]+)", r.stdout)
               if began < float(t) < written}
