@@ -650,10 +650,13 @@ def test_rank_0s_log_writes_hold_no_rank_and_a_step_has_one_collective(data, tmp
 
 ASYNC = wrapper("""
 SLOW_STEP, SLOW_S = 4, 6  # the checkpoint of step 4 takes 6 s more to land
+FULL_STEP = int(os.environ.get('FULL_STEP', -1))  # or the disk is full for it
 write = checkpoint.atomic_write
 def slow_write(path, write_to):  # its bytes written, then slow to reach the disk (before the rename)
     def slow(f):
         write_to(f)
+        if path.endswith(f"model_{FULL_STEP:05d}.pt"):
+            raise OSError(28, "No space left on device")
         if path.endswith(f"model_{SLOW_STEP:05d}.pt"):
             say(f"rank 0 writes slowly from {time.time():.3f}")
             time.sleep(SLOW_S)
@@ -752,3 +755,18 @@ def test_sigterm_during_a_write_in_flight_completes_it_then_stops(slow_written, 
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert (log / "log.txt").read_text() == (slow_written[0] / "log.txt").read_text()
     assert same_state(slow_written[0] / "model_00016.pt", log / "model_00016.pt")
+
+
+def test_a_background_write_that_fails_stops_every_rank_with_one_line(data, tmp_path):
+    """Issue 56.3: the background write of step 8's checkpoint fails (a full disk): the next step's
+    all-reduce tells every rank, and the run ends there with one line from rank 0 naming the file,
+    exit 1; no part of that file is left, and the checkpoint of step 4 stands."""
+    from gptkit import checkpoint
+    log = tmp_path / "log"
+    r = launch(ASYNC, tmp_path, argv(data, log, *ASYNC_ARGS), 2, {"FULL_STEP": "8"})
+    assert r.returncode == 1, r.stdout[-2000:]
+    assert errors(r) == [f"error: could not write the checkpoint {log / 'model_00008.pt'} ([Errno 28] No "
+                         f"space left on device); the earlier checkpoints are untouched: fix that (free "
+                         f"some space, say) and run the same command again to resume"], r.stderr[-3000:]
+    assert max(read_log(log)["train"]) <= 9  # it stopped at once
+    assert [s for s, _ in checkpoint.list_checkpoints(log)] == [4] and not list(log.glob("*.tmp*"))
