@@ -74,7 +74,7 @@ dtype = "auto"  # auto (the hardware's fast one), bfloat16, float16, float32
 compile = "auto"  # torch.compile: "auto" = on CUDA; True, False
 cpu_reuse_memory = True  # CPU on Linux: faster steps, more peak RSS
 parallel = "ddp"  # under torchrun: "ddp", or "fsdp" (sharded: docs/fsdp.md)
-bucket_cap_mb = 25  # DDP: MB of gradients per all-reduce; compiled, a graph piece per bucket
+bucket_cap_mb = 25  # DDP: MiB of gradients per all-reduce; compiled, about a graph piece each
 collective_timeout = 600  # seconds a rank waits for the others after the first step
 seed = 1337  # the init, the data's order, the samples
 # Weights & Biases, rank 0 (pip install -r requirements-wandb.txt)
@@ -430,8 +430,8 @@ for step in range(start_step, max_steps + 1):
             mib = fsdp.state_mib(raw_model, opt)
             print(f"parameters, gradients and optimizer state per rank: {mib:.1f} MiB")
         if master_process and use_compile and isinstance(model, DDP) and (pieces := hardware.graph_pieces()):
-            print(f"compiled under DDP: the training graph in {pieces} piece{'s' * (pieces > 1)}, one "
-                  f"per bucket of bucket_cap_mb={bucket_cap_mb} MB of gradients (docs/ddp.md)")
+            print(f"compiled under DDP: the training graph in {pieces} piece{'s' * (pieces > 1)}, about "
+                  f"one per bucket_cap_mb={bucket_cap_mb} MiB of gradients (docs/ddp.md)")
         if master_process:
             run.say_checkpoint_cost(checkpoint.state_bytes(raw_model, opt))
     if master_process:

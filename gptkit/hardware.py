@@ -131,7 +131,8 @@ def device_name(device):
 
 
 def graph_pieces():
-    """How many pieces dynamo's DDP optimizer cut the compiled training graph into; None if it did not run."""
+    """How many pieces dynamo's DDP optimizer cut the compiled training graph into (under DDP, compiled,
+    after the first step); None if it was off (torch._dynamo.config.optimize_ddp)."""
     from torch._dynamo.utils import counters, get_optimize_ddp_mode
     graphs = counters['stats']['unique_graphs']
     if not graphs or get_optimize_ddp_mode() != 'ddp_optimizer':

@@ -365,7 +365,7 @@ def test_the_training_graph_is_compiled_once_with_static_shapes(data, tmp_path):
     assert first == {str(k): "[(False, False)]" for k in range(3)}, first
     assert graphs == {str(k): "[(False, False), (True, False)]" for k in range(3)}, graphs
     # issue 56.5: what rank 0 says of DDP's pieces (here the whole model is one bucket)
-    assert "compiled under DDP: the training graph in 1 piece, one per bucket of bucket_cap_mb=" in r.stdout
+    assert "compiled under DDP: the training graph in 1 piece, about one per bucket_cap_mb=" in r.stdout
     assert sorted(read_log(tmp_path / "log")["val"]) == [0, 3, 6]
 
 
