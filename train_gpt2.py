@@ -453,4 +453,4 @@ for step in range(start_step, max_steps + 1):
             run.log(f"{step} skip {run.bad_steps}")
         print(line)
 # the last checkpoint on disk before the run ends (rank 0's writes; every rank learns how they went)
-run.finish_writes()
+run.end()

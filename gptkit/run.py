@@ -222,6 +222,11 @@ class Run:
         if distributed.max_over_ranks(error is not None):
             raise UserError(error or "rank 0 could not write to log_dir")
 
+    def end(self):
+        """The run's end: rank 0's writes done (every rank learns how they went), its writer gone."""
+        self.finish_writes()
+        self.writer.shutdown()
+
     def log(self, line):
         """Rank 0: a line of log.txt ("{step} {kind} {value}"), and to W&B, in the background."""
         self.writes.append(self.writer.submit(self.write_log, line))

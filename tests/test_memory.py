@@ -137,7 +137,7 @@ def free_for(B, world=1, extra=()):
 # the trainer with the device's free memory as FREE_<rank> says, and an out-of-memory error (or a
 # crash, os._exit) where FAULT says: in a step's forward from step 3 on, or at the step-4 evals
 FAULTY = """
-import os, runpy, sys, torch
+import os, runpy, sys, time, torch
 from gptkit import memory
 from gptkit.shards import DataLoaderLite
 from model import GPT
@@ -158,7 +158,11 @@ def faulty(self, idx, *a, **k):  # HellaSwag's packed rows come with their own p
     real = not isinstance(idx, torch._subclasses.fake_tensor.FakeTensor)  # not memory.py's count
     # the 4th step (step 3), or the evals after it (step 4)
     if real and fault.endswith(phase) and steps[0] >= 4:
-        if fault.startswith('crash'):
+        if fault.startswith('crash'):  # once the checkpoint before it is on disk (issue 56: a crash
+            # kills a write in flight on rank 0's writer thread, and the checkpoint before stands)
+            log_dir = next(a.split('=', 1)[1] for a in sys.argv if a.startswith('--log_dir='))
+            while not any(n.endswith('.pt') for n in os.listdir(log_dir)):
+                time.sleep(0.01)
             os._exit(1)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected)")
     return hidden(self, idx, *a, **k)
