@@ -649,7 +649,7 @@ def test_rank_0s_log_writes_hold_no_rank_and_a_step_has_one_collective(data, tmp
 
 
 ASYNC = wrapper("""
-SLOW_STEP, SLOW_S = 4, 6  # the checkpoint of step 4 takes 6 s more to land
+SLOW_STEP, SLOW_S = int(os.environ.get('SLOW_STEP', 4)), 6  # the checkpoint of step 4 takes 6 s more to land
 FULL_STEP = int(os.environ.get('FULL_STEP', -1))  # or the disk is full for it
 write = checkpoint.atomic_write
 def slow_write(path, write_to):  # its bytes written, then slow to reach the disk (before the rename)
@@ -763,7 +763,7 @@ def test_a_background_write_that_fails_stops_every_rank_with_one_line(data, tmp_
     exit 1; no part of that file is left, and the checkpoint of step 4 stands."""
     from gptkit import checkpoint
     log = tmp_path / "log"
-    r = launch(ASYNC, tmp_path, argv(data, log, *ASYNC_ARGS), 2, {"FULL_STEP": "8"})
+    r = launch(ASYNC, tmp_path, argv(data, log, *ASYNC_ARGS), 2, {"FULL_STEP": "8", "SLOW_STEP": "-1"})
     assert r.returncode == 1, r.stdout[-2000:]
     assert errors(r) == [f"error: could not write the checkpoint {log / 'model_00008.pt'} ([Errno 28] No "
                          f"space left on device); the earlier checkpoints are untouched: fix that (free "
