@@ -433,7 +433,7 @@ for step in range(start_step, max_steps + 1):
             print(f"compiled under DDP: the training graph in {pieces} piece{'s' * (pieces > 1)}, about "
                   f"one per bucket_cap_mb={bucket_cap_mb} MiB of gradients (docs/ddp.md)")
         if master_process:
-            run.say_checkpoint_cost(checkpoint.state_bytes(raw_model, opt))
+            run.say_checkpoint_cost(checkpoint.state_bytes(raw_model, opt, pinned=cuda and not sharded))
     if master_process:
         # the mean time of a step so far, and the time the steps left take at it
         step_time = dt if step == start_step else (time.time() - t_first) / (step - start_step)

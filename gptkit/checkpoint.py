@@ -177,10 +177,13 @@ def check_replicas(model, step):
                         f"one on matching hardware")
 
 
-def state_bytes(model, optimizer):
-    """The bytes of a checkpoint's tensors: the whole weights and optimizer state (FSDP's too)."""
+def state_bytes(model, optimizer, pinned=False):
+    """The bytes of a checkpoint's tensors: the whole weights and optimizer state (FSDP's too); pinned:
+    as much host memory as their copies take there (torch's pinned allocator rounds each buffer up to a
+    power of two)."""
     tensors = [t for p in model.parameters() for t in (p, *optimizer.state.get(p, {}).values())]
-    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+    sizes = [t.numel() * t.element_size() for t in tensors if torch.is_tensor(t)]
+    return sum(1 << (n - 1).bit_length() if pinned else n for n in sizes)
 
 
 def to_host(ckpt, buffers, device):
@@ -197,7 +200,7 @@ def to_host(ckpt, buffers, device):
         elif key not in copies:
             if i not in buffers or (buffers[i].dtype, buffers[i].shape) != (t.dtype, t.shape):
                 buffers[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            copies[key] = buffers[i].copy_(t, non_blocking=True)
+            copies[key] = buffers[i].copy_(t, non_blocking=t.is_cuda)  # (an event waits for CUDA's)
             gpu = gpu or t.is_cuda
         memo[id(t)] = copies[key].detach()  # a tensor of its own, as torch.save would see t
     copied = None
@@ -214,15 +217,15 @@ def write(ckpt, copied, log_dir, keep_checkpoints):
     if copied is not None:
         copied.synchronize()
     path = os.path.join(log_dir, f"model_{ckpt['step']:05d}.pt")
-    # the lines the checkpoint vouches for, written before it on this thread, reach the disk first
-    ckpt['logs'] = log_sizes(log_dir)
-    for name in ckpt['logs']:
-        with open(os.path.join(log_dir, name), 'a') as f:
-            os.fsync(f.fileno())
     ckpt['checksum'] = checksum(ckpt)
     # the checksum is the one check (read_checkpoint's): torch.load would not check torch.save's CRC32
     torch.serialization.set_crc32_options(False)
     try:
+        # the lines the checkpoint vouches for, written before it on this thread, reach the disk first
+        ckpt['logs'] = log_sizes(log_dir)
+        for name in ckpt['logs']:
+            with open(os.path.join(log_dir, name), 'a') as f:
+                os.fsync(f.fileno())
         atomic_write(path, lambda f: torch.save(ckpt, f))
     except (OSError, RuntimeError) as e:
         # a failed write makes torch.save raise 'unexpected pos', whose context is the OSError that says why
@@ -230,7 +233,10 @@ def write(ckpt, copied, log_dir, keep_checkpoints):
                         f"checkpoints are untouched: fix that (free some space, say) and run the same "
                         f"command again to resume") from None
     for _, old in list_checkpoints(log_dir)[keep_checkpoints:] if keep_checkpoints > 0 else []:
-        os.remove(old)  # only now that a newer one is complete
+        try:
+            os.remove(old)  # only now that a newer one is complete
+        except OSError as e:
+            print(f"warning: could not delete the old checkpoint {old} ({e})")
 
 
 def resumed_model_config(ckpt, path, config):

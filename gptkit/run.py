@@ -45,7 +45,7 @@ class Run:
         self.wandb = None
         # Rank 0's writes to log_dir (log lines, samples, checkpoints), one after another on a thread of
         # their own: the steps go on meanwhile. Python's exit waits for those given (a crash too).
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix='log_dir_writer')
+        self.writer = None  # made by start(), on this process's device
         self.writes = []  # their futures, until each is known to have worked
         self.host_copy = {}  # a checkpoint's tensors in host memory, reused from one save to the next
         # how the process ends: an error as one line, then log_dir and the process group released
@@ -97,6 +97,9 @@ class Run:
         """Rank 0 locks log_dir for the life of the run (a UserError if another run holds it); then
         the checkpoint to resume from, or None (checkpoint.find_checkpoint)."""
         self.config, self.log_dir, self.device = config, config['log_dir'], device
+        # the writer thread waits for CUDA's copies on this process's GPU (by default GPU 0: a context there)
+        init = (torch.cuda.set_device, (device,)) if device.startswith('cuda') else (None, ())
+        self.writer = ThreadPoolExecutor(1, 'log_dir_writer', *init)
         self.memory = config['B'], None
         busy = ''
         if distributed.rank() == 0:
@@ -197,9 +200,10 @@ class Run:
         shards: nothing to compare)."""
         if isinstance(state['model'], torch.nn.Module) and distributed.world_size() > 1:
             checkpoint.check_replicas(state['model'], step)
+        # the write before done first: FSDP gathers the state into host memory, which holds one
+        self.finish_writes()
         ckpt = dict(checkpoint.state_dicts(state), **extra, step=step, evaluated=self.evaluated,
                     bad_steps=self.bad_steps, rng=checkpoint.rng_state(self.device), logs={})
-        self.finish_writes()
         if distributed.rank() == 0:
             host, copied = checkpoint.to_host(ckpt, self.host_copy, self.device)
             self.writes.append(self.writer.submit(checkpoint.write, host, copied, self.log_dir,
@@ -208,8 +212,9 @@ class Run:
     def failed_write(self):
         """The line of rank 0's first write that failed, or None; it waits for none."""
         while self.writes and self.writes[0].done():
-            if error := self.writes[0].exception():
-                return str(error)
+            if error := self.writes[0].exception():  # a UserError's line, or another's (W&B's), on one line
+                why = ' '.join(str(error).split())
+                return why if isinstance(error, UserError) else f"{type(error).__name__} in a write: {why}"
             self.writes.pop(0)
         return None
 
@@ -246,9 +251,8 @@ class Run:
         """Rank 0, after the first step: the host memory a checkpoint's copy takes, and a warning when a
         stop (the write in flight, then the stop checkpoint's) at SLOW_WRITE_SPEED would outlast the
         time torchrun gives a stopping worker before it kills it."""
-        pinned = ', pinned' if self.device.startswith('cuda') else ''
-        print(f"checkpoints: each save copies {nbytes / 2 ** 20:,.1f} MiB to host memory (kept{pinned}), "
-              f"then writes it in the background")
+        print(f"checkpoints: each save takes {nbytes / 2 ** 20:,.1f} MiB of host memory for the state, "
+              f"written in the background")
         grace = int(os.environ.get('TORCH_ELASTIC_SHUTDOWN_TIMEOUT', 30))
         stop_s = 2 * nbytes / SLOW_WRITE_SPEED
         if 'TORCHELASTIC_RUN_ID' in os.environ and stop_s > grace:

@@ -706,7 +706,7 @@ def test_steps_train_while_a_checkpoint_is_written(slow_written, data, tmp_path)
     tensors = {t.untyped_storage().data_ptr(): t.nbytes
                for t in torch.utils._pytree.tree_leaves([ckpt["model"], ckpt["optimizer"]])
                if torch.is_tensor(t)}
-    said = float(re.search(r"checkpoints: each save copies ([\d.]+) MiB to host memory", r.stdout)[1])
+    said = float(re.search(r"checkpoints: each save takes ([\d.]+) MiB of host memory", r.stdout)[1])
     assert said == round(sum(tensors.values()) / 2 ** 20, 1) and "warning" not in r.stdout
     began, written = said_at("rank 0 writes slowly from", r), said_at("rank 0 has written at", r)
     during = {int(s) for rank, s, t in re.findall(r"rank (\d) begins step (\d+) at ([\d.]+)", r.stdout)
