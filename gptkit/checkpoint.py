@@ -200,7 +200,8 @@ def to_host(ckpt, buffers, device):
         elif key not in copies:
             if i not in buffers or (buffers[i].dtype, buffers[i].shape) != (t.dtype, t.shape):
                 buffers[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            copies[key] = buffers[i].copy_(t, non_blocking=t.is_cuda)  # (an event waits for CUDA's)
+            # an event waits for CUDA's copies; MPS's block (it has no such event here)
+            copies[key] = buffers[i].copy_(t, non_blocking=not t.is_mps)
             gpu = gpu or t.is_cuda
         memo[id(t)] = copies[key].detach()  # a tensor of its own, as torch.save would see t
     copied = None
