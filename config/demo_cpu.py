@@ -11,7 +11,7 @@ n_embd = 128
 block_size = 256
 T = 256
 total_batch_size = 4096  # 16 sequences of 256
-B = 16  # one micro-batch per step on one process
+B = 16  # one micro-batch per step on one process (2 processes: --B=8, as the README says)
 max_steps = 120  # 0.5M tokens
 warmup_steps = 20
 max_lr = 1.5e-3  # small models take a larger learning rate

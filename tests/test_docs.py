@@ -148,6 +148,27 @@ def left_out(command):
     return None
 
 
+def test_readme_trainer_lines_run_as_written(tmp_path):
+    """Issue 57.1: each README line that launches the trainer here (the quick start's, the 2-process
+    CPU line) runs as written on random shards of the demo's size, with only --max_steps=1 appended:
+    nothing that changes B, T or total_batch_size, so a line whose shapes cannot run fails here (the
+    2-process line did, until it said --B=8: the config's B=16 fills its batch on one process)."""
+    import shlex
+    from conftest import random_shards
+    random_shards(tmp_path / "demo_stdlib", 0, 16384 + 1, [3 * 4096 + 1], vocab=50257)
+    (tmp_path / "config").symlink_to(os.path.join(ROOT, "config"))
+    lines = [c for c in readme_commands() if "train_gpt2.py" in c and left_out(c) is None]
+    assert len(lines) == 2, lines
+    for line in lines:
+        words = shlex.split(line)
+        at = words.index("train_gpt2.py")
+        launcher = [sys.executable] + (["-m", "torch.distributed.run", *words[1:at]] if at > 1 else [])
+        cmd = [*launcher, os.path.join(ROOT, "train_gpt2.py"), *words[at + 1:], "--max_steps=1"]
+        r = commands.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=one_thread())
+        assert r.returncode == 0, (line, r.stdout[-2000:], r.stderr[-2000:])
+        assert re.search(r"^step +0 \| loss ", r.stdout, re.M), (line, r.stdout[-2000:])
+
+
 def test_readme_commands_run_in_order(tmp_path):
     """Issue 31.1: the README's commands, run in order as written, each do what its comment says:
     the quick start trains into log_demo/ (its config made tiny here, on random shards in
@@ -160,7 +181,7 @@ def test_readme_commands_run_in_order(tmp_path):
     run_here = [c for c in lines if left_out(c) is None]
     assert len(lines) - len(run_here) == 15, [c for c in lines if left_out(c)]
     assert run_here == ["python fineweb.py --demo", "python train_gpt2.py config/demo_cpu.py",
-                        "torchrun --standalone --nproc_per_node=2 train_gpt2.py config/demo_cpu.py "
+                        "torchrun --standalone --nproc_per_node=2 train_gpt2.py config/demo_cpu.py --B=8 "
                         "--log_dir=log_demo_ddp",
                         "python plot.py log_demo --out demo.png",
                         'python sample.py --model log_demo --prompt "def" --num_samples 4',
