@@ -104,9 +104,13 @@ class Run:
         busy = ''
         if distributed.rank() == 0:
             self.lock = LogDirLock(self.log_dir)
-            busy = self.lock.acquire()
+            try:
+                busy = self.lock.acquire()
+            except OSError as e:  # a file by that name, a read-only file system, no permission
+                what = 'a file' if os.path.isfile(self.log_dir) else 'a folder this run cannot write'
+                busy = f"log_dir={self.log_dir} is {what} ({e.strerror}: {e.filename}): choose another one"
         if distributed.max_over_ranks(bool(busy)):
-            raise UserError(busy or f"log_dir={self.log_dir} is in use by another run")
+            raise UserError(busy or f"log_dir={self.log_dir} is in use by another run, or cannot be written")
         self.checkpoint_path, ckpt = checkpoint.find_checkpoint(self.log_dir, config['resume'])
         return ckpt
 

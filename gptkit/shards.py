@@ -59,7 +59,9 @@ def open_shard(path, vocab_size=None, n=None):
     try:
         tokens = np.load(path, mmap_mode='r')
     except (ValueError, OSError) as e:
-        raise UserError(f"{path}: not a readable .npy array ({e})") from None
+        # numpy takes other bytes for a pickle, and advises allow_pickle: the advice not to take
+        why = "not a .npy file" if 'pickle' in str(e) else e
+        raise UserError(f"{path}: not a .npy array of token ids as fineweb.py writes them ({why})") from None
     if tokens.dtype != np.uint16 or tokens.ndim != 1:
         raise UserError(f"{path}: expected a 1-D uint16 array of token ids, got {tokens.dtype} of shape "
                         f"{tokens.shape}")

@@ -90,7 +90,7 @@ def test_error_paths(tmp_path):
                                         r"total_batch_size"):
         DataLoaderLite(B, T, 0, 2, "train", str(tmp_path), accum_steps=16)
     (tmp_path / "z_train_000000.npy").write_bytes(b"not numpy")
-    with pytest.raises(UserError, match=r"z_train_000000\.npy: not a readable \.npy array"):
+    with pytest.raises(UserError, match=r"z_train_000000\.npy: not a \.npy array of token ids as fineweb"):
         DataLoaderLite(B, T, 0, 1, "train", str(tmp_path))
 
 
@@ -141,6 +141,12 @@ def test_val_tokens_span_shards_and_errors(tmp_path):
     assert load_val_tokens(str(tmp_path), 14).tolist() == list(range(10)) + list(range(100, 105))
     with pytest.raises(UserError, match=r"val split in .* has 20 tokens, fewer than val_tokens \+ 1 = 21"):
         load_val_tokens(str(tmp_path), 20)
+    # issue 57.4: random bytes, which numpy takes for a pickle: what was expected, not numpy's advice
+    bad = tmp_path / "edufineweb_val_000000.npy"
+    bad.write_bytes(np.random.default_rng(0).bytes(1000))
+    with pytest.raises(UserError) as e:
+        load_val_tokens(str(tmp_path), 14)
+    assert str(e.value) == f"{bad}: not a .npy array of token ids as fineweb.py writes them (not a .npy file)"
 
 
 @pytest.mark.quick

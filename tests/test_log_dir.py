@@ -172,3 +172,20 @@ def test_a_start_that_ends_removes_the_lock_and_a_failed_one_the_folders_it_made
     assert (lock := locks(made)).acquire() == ""
     lock.release()
     assert os.listdir(made) == ["log.txt"]
+
+
+@pytest.mark.parametrize("where", ["a file", "unwritable"])
+def test_a_log_dir_that_cannot_be_written_is_one_line(data, tmp_path, where):
+    """Issue 57.4: a log_dir that is an existing file, or that this process may not make (/sys: not
+    even root may), ends the start with one line that names it and why; the file is left as it was."""
+    log_dir = tmp_path / "log"
+    if where == "a file":
+        log_dir.write_text("mine\n")
+    else:
+        log_dir = "/sys/gpt2_log_dir"
+    r = run_script([*ARGS, f"--data_root={data}", f"--log_dir={log_dir}", "--max_steps=3"])
+    what = "a file (File exists" if where == "a file" else "a folder this run cannot write (Operation not"
+    assert r.returncode == 1 and r.stderr.startswith(f"error: log_dir={log_dir} is {what}"), r.stderr
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+    if where == "a file":
+        assert log_dir.read_text() == "mine\n"
