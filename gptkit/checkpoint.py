@@ -95,8 +95,9 @@ def pick_checkpoint(log_dir):
             print(f"warning: renamed {p} to {p}.bad; resuming from the previous checkpoint, {path}")
         return step, path, ckpt
     if bad:
-        raise UserError(f"{log_dir!r} holds checkpoints but none can be resumed from (see above): move them "
-                        f"away to start afresh, or point log_dir elsewhere")
+        raise UserError(f"{log_dir!r} holds checkpoints but none can be resumed from (see above; with no "
+                        f"older one to fall back to, none is renamed): move them away to start afresh, or "
+                        f"point log_dir elsewhere")
     return -1, None, None
 
 

@@ -352,6 +352,8 @@ def test_read_error_is_not_corruption(one, data, tmp_path):
 
 
 def test_no_loadable_checkpoint_is_an_error(data, tmp_path):
+    """A lone truncated checkpoint: one line, and nothing renamed, as docs/resume.md says (issue 57.4:
+    the docs said it would be renamed)."""
     log_dir = tmp_path / "log"
     log_dir.mkdir()
     (log_dir / "model_00010.pt").write_bytes(b"\0" * 1000)
