@@ -74,10 +74,17 @@ class Run:
         line = self.error_line(error)
         if line is None:
             sys.__excepthook__(kind, error, tb)
-        # a UserError is met alike by every rank: rank 0 alone says it
-        elif not (isinstance(error, UserError) and torch.distributed.is_initialized() and distributed.rank()):
-            # to sys.__stderr__: init_process_group's hook writes "[rankN]: " before sys.stderr's lines
+            return
+        # a UserError is met alike by every rank (torchrun's RANK, before the group too): rank 0 alone
+        # says it. To sys.__stderr__: init_process_group's hook writes "[rankN]: " before sys.stderr's
+        if not (isinstance(error, UserError) and int(os.environ.get('RANK', 0))):
             print(line, file=sys.__stderr__, flush=True)
+        # torchrun's report gives a worker's error file as its root cause, else "To enable traceback
+        # see": the line, in the form torch's @record writes
+        if 'TORCHELASTIC_ERROR_FILE' in os.environ:
+            said = {'py_callstack': line, 'timestamp': str(int(time.time()))}
+            record = json.dumps({'message': {'message': line, 'extraInfo': said}}).encode()
+            atomic_write(os.environ['TORCHELASTIC_ERROR_FILE'], lambda f: f.write(record))
 
     def release(self):
         try:

@@ -377,3 +377,17 @@ def test_presets_parse_and_divide(path):
 def test_124M_preset_is_the_defaults():
     c = parse_config([os.path.join(ROOT, "config", "gpt2_124M.py")], DEFAULTS)
     assert dict(c, log_dir=None) == dict(DEFAULTS, log_dir=None)
+
+
+def test_an_error_every_rank_meets_is_one_line_under_torchrun(tmp_path):
+    """Issue 57.2: a typo'd key under torchrun with 2 processes: the error is said once, by rank 0 (it
+    was said by each rank), both ranks exit 1, and torchrun's report gives that line as the root cause
+    (the ranks' error files) instead of "To enable traceback see"."""
+    r = run_script([*TINY, "--max_stepz=3", f"--log_dir={tmp_path / 'log'}"], nproc=2)
+    out = r.stdout + r.stderr
+    line = ("error: unknown config key 'max_stepz' in --max_stepz=3; closest valid names: max_steps, "
+            "max_bad_steps, warmup_steps")
+    assert r.returncode == 1 and [s for s in out.splitlines() if s.startswith("error: ")] == [line], out
+    root_cause = out[out.index("Root Cause (first observed failure):"):]
+    assert f"traceback : {line}" in root_cause and "To enable traceback see" not in out, out
+    assert out.count("exitcode  : 1 ") == 2, out
