@@ -177,9 +177,12 @@ class Run:
         path, max_bad_steps = os.path.join(self.log_dir, f'model_{step:05d}.pt'), self.config['max_bad_steps']
         self.finish_writes()
         if self.bad_steps < max_bad_steps:
+            # torchrun, signalled too, then prints a traceback of its own and exits 1
+            torchrun = "; torchrun's traceback and exit code 1 may follow: the checkpoint is whole" * (
+                'TORCHELASTIC_RUN_ID' in os.environ)
             if distributed.rank() == 0:
                 print(f"{self.stop_signal or 'SIGTERM'}: stopped at step {step}; wrote {path}; run the same "
-                      f"command again to resume (exit code {EXIT_PREEMPTED})")
+                      f"command again to resume (exit code {EXIT_PREEMPTED}){torchrun}")
             sys.exit(EXIT_PREEMPTED)
         raise UserError(f"stopped after {self.bad_steps} steps in a row with a non-finite loss or gradient "
                         f"norm (max_bad_steps={max_bad_steps}); {path} holds the last good weights, with the "
