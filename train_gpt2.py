@@ -242,7 +242,12 @@ flops_per_tok = flops_per_token(raw_model.config, T)
 # MFU: the model's FLOP/s over the peak of all devices
 peak, peak_from = hardware.peak_flops(dev, amp_dtype)
 if master_process:
-    print("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in config.items()))
+    # what differs from the constants above: run.json holds them all
+    changed = [f"  {k} = {v!r}" for k, v in config.items() if v != DEFAULTS.get(k)]
+    print("config, where it differs from the defaults (run.json holds it all):\n" + "\n".join(changed))
+    if eval_interval > 0 and checkpoint_interval % eval_interval:
+        print(f"note: a checkpoint step evaluates too (a checkpoint holds its own val loss): every "
+              f"checkpoint_interval={checkpoint_interval} steps, besides eval_interval={eval_interval}")
     print(f"world_size={world_size} device={dev} grad_accum_steps={grad_accum_steps}")
     if why_B:
         print(why_B)

@@ -250,7 +250,7 @@ def test_a_failed_start_leaves_nothing(tmp_path):
         r = run_script([*TINY, *args, f"--log_dir={log_dir}"])
         assert r.returncode == 1 and r.stderr.startswith("error: "), r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-        assert not (tmp_path / "runs").exists() and "config:" not in r.stdout, (args, r.stdout)
+        assert not (tmp_path / "runs").exists() and "config, where" not in r.stdout, (args, r.stdout)
     log_dir.mkdir(parents=True)
     (log_dir / "notes.txt").write_text("mine")
     r = run_script([*TINY, f"--data_root={data}", "--T=64", f"--log_dir={log_dir}"])
@@ -380,14 +380,14 @@ def test_124M_preset_is_the_defaults():
 
 
 def test_an_error_every_rank_meets_is_one_line_under_torchrun(tmp_path):
-    """Issue 57.2: a typo'd key under torchrun with 2 processes: the error is said once, by rank 0 (it
-    was said by each rank), both ranks exit 1, and torchrun's report gives that line as the root cause
-    (the ranks' error files) instead of "To enable traceback see"."""
+    """Issue 57.2: a typo'd key under torchrun with 2 processes: the error is said once at most, by
+    rank 0 (it was said by each rank; torchrun may stop rank 0 before it says it, when rank 1 fails
+    first), and torchrun's report gives that line as the root cause (each rank's error file) instead
+    of "To enable traceback see"."""
     r = run_script([*TINY, "--max_stepz=3", f"--log_dir={tmp_path / 'log'}"], nproc=2)
     out = r.stdout + r.stderr
     line = ("error: unknown config key 'max_stepz' in --max_stepz=3; closest valid names: max_steps, "
             "max_bad_steps, warmup_steps")
-    assert r.returncode == 1 and [s for s in out.splitlines() if s.startswith("error: ")] == [line], out
+    assert r.returncode == 1 and [s for s in out.splitlines() if s.startswith("error: ")] in ([line], []), out
     root_cause = out[out.index("Root Cause (first observed failure):"):]
     assert f"traceback : {line}" in root_cause and "To enable traceback see" not in out, out
-    assert out.count("exitcode  : 1 ") == 2, out
