@@ -696,9 +696,10 @@ def same_state(a, b):
 @shares_slow_run
 def test_steps_train_while_a_checkpoint_is_written(slow_written, data, tmp_path):
     """Issue 56.3: the checkpoint of step 4 is copied to host memory, then written on rank 0's writer
-    thread for 6 s while both ranks train on (steps 5 to 7 begin during the write; the save of step 8
-    waits for it, and step 8 begins after). Every checkpoint loads, and the run resumed from the slow
-    one ends as the uninterrupted run did: the same log and the same final state, bit for bit."""
+    thread for 6 s while both ranks train on (steps 6 and 7, and 5 too unless it outran the thread,
+    begin during the write; the save of step 8 waits for it, and step 8 begins after). Every
+    checkpoint loads, and the run resumed from the slow one ends as the uninterrupted run did: the
+    same log and the same final state, bit for bit."""
     from gptkit import checkpoint
     log, r = slow_written
     # what rank 0 said after the first step: the copy's size, the tensors of a checkpoint; no warning
@@ -712,7 +713,8 @@ def test_steps_train_while_a_checkpoint_is_written(slow_written, data, tmp_path)
     began, written = said_at("rank 0 writes slowly from", r), said_at("rank 0 has written at", r)
     during = {int(s) for rank, s, t in re.findall(r"rank (\d) begins step (\d+) at ([\d.]+)", r.stdout)
               if began < float(t) < written}
-    assert during == {5, 6, 7}, r.stdout[-3000:]
+    # (step 5 may begin before the writer thread reaches the slow part, which a fast step outruns)
+    assert {6, 7} <= during <= {5, 6, 7}, r.stdout[-3000:]
     assert [s for s, _ in checkpoint.list_checkpoints(log)] == [16, 12, 8, 4]
     for _, path in checkpoint.list_checkpoints(log):
         checkpoint.read_checkpoint(path)  # its keys, checksum and shapes
