@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptkit import checkpoint, configurator, cpu, distributed, hardware, hellaswag_eval, shards
 from gptkit import tokenizer
-from gptkit.common import UserError
+from gptkit.common import UserError, cpu_cores
 from gptkit.run import Run
 from gptkit.shards import DataLoaderLite
 from model import GPT, GPTConfig, flops_per_token
@@ -249,6 +249,11 @@ if master_process:
         print(f"note: a checkpoint step evaluates too (a checkpoint holds its own val loss): every "
               f"checkpoint_interval={checkpoint_interval} steps, besides eval_interval={eval_interval}")
     print(f"world_size={world_size} device={dev} grad_accum_steps={grad_accum_steps}")
+    # CPU processes beyond the cores take turns, and every step waits for the last
+    node_procs, cores = int(os.environ.get('LOCAL_WORLD_SIZE', 1)), cpu_cores()
+    if dev == 'cpu' and node_procs > cores:
+        print(f"warning: {node_procs} processes on {cores} CPU cores: they take turns, each step as slow "
+              f"as the last of them; --nproc_per_node={cores} is faster")
     if why_B:
         print(why_B)
     print(f"parameters: {sum(p.numel() for p in raw_model.parameters()):,}")

@@ -1,6 +1,11 @@
 """What every script shares, with no torch (fineweb.py stays light): the error for "the user gave
-something wrong", and the one way this project writes a file that matters."""
+something wrong", the one way this project writes a file that matters, and the CPU cores it has."""
 import os
+
+
+def cpu_cores():
+    """The CPU cores this process may use (its affinity, where the OS keeps one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
 
 
 class UserError(Exception):

@@ -8,6 +8,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gptkit.common import cpu_cores
+
 # hours that no healthy first compile or checkpoint write takes, and a hang does
 FIRST_STEP_TIMEOUT = 3600  # seconds every collective waits until the first step and evals are done
 WAIT_FOR_ALL_TIMEOUT = 2 * 3600  # seconds the others wait for rank 0's work alone (wait_for_all)
@@ -81,7 +83,7 @@ def set_rank_environment(log_dir):
     when a collective times out, log_dir/nccl_trace_rank_N beside the run's log (torch records and dumps
     by default, but into each node's ~/.cache/torch), and inductor's compile workers, this node's CPUs
     shared among its ranks."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+    cpus = cpu_cores()
     # keyed by the names the user may have set each under: torch still reads the older one (second)
     defaults = {('TORCH_FR_DUMP_TEMP_FILE', 'TORCH_NCCL_DEBUG_INFO_TEMP_FILE'):
                     os.path.join(os.path.abspath(log_dir), 'nccl_trace_rank_'),

@@ -354,3 +354,17 @@ def test_the_val_eval_reads_the_host_once_whatever_its_size(tmp_path):
                        script=str(tmp_path / "probe.py"), PYTHONPATH=ROOT)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "val eval reads: ['tolist']\n" in r.stdout, r.stdout[-2000:]
+
+
+def test_more_cpu_processes_than_cores_are_said(tmp_path):
+    """Issue 57.5: torchrun with one CPU process more than this machine's cores: rank 0 says so once,
+    with the number that would be faster; the run goes on."""
+    from gptkit.common import cpu_cores
+    data = random_shards(tmp_path / "data", 0, 600, [4000])
+    n = cpu_cores() + 1
+    r = run_script([*TINY, f"--data_root={data}", f"--log_dir={tmp_path / 'log'}", "--B=2", "--T=16",
+                    f"--total_batch_size={32 * n}", "--max_steps=1", "--eval_interval=0", "--hellaswag=False",
+                    "--val_tokens=64"], nproc=n)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count(f"warning: {n} processes on {n - 1} CPU cores: they take turns, each step as slow "
+                          f"as the last of them; --nproc_per_node={n - 1} is faster") == 1, r.stdout
