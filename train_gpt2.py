@@ -419,11 +419,12 @@ for step in range(start_step, max_steps + 1):
     # A non-finite loss or norm (the same on every rank) skips the update on
     # the device, with no host read before it is queued: fused AdamW and Muon
     # read found_inf, as GradScaler's do.
-    opt.found_inf = (~torch.isfinite(torch.stack((loss_accum, norm))).all()).float()
+    stats = torch.stack((loss_accum, norm, *reduced[1:]))
+    opt.found_inf = (~torch.isfinite(stats[:2]).all()).float()
     opt.step()
     # the step's one host read, once its update is queued: it waits for the
     # step to finish, so dt is its real time
-    loss, norm, stops, failures = torch.stack((loss_accum, norm, *reduced[1:])).tolist()
+    loss, norm, stops, failures = stats.tolist()
     t_end = time.time()
     dt, t_last = t_end - t_last, t_end
     finite_loss, finite_norm = math.isfinite(loss), math.isfinite(norm)
