@@ -52,12 +52,25 @@ def cpu_has_bf16():
         return False
 
 
+def cpu_has_fp16():
+    """Whether oneDNN multiplies float16 natively here (AVX512-FP16, AMX-FP16): elsewhere it is emulated."""
+    try:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# a demo_cpu.py step with the matmuls emulated, against float32 on the same AVX2 CPU (docs/precision.md)
+CPU_EMULATED_SLOWDOWN = {'bfloat16': 130, 'float16': 150}
+
+
 def resolve_dtype(dtype, device):
     if dtype != 'auto':
         return dtype, 'as configured'
     if device.startswith('cpu'):
         return (('bfloat16', 'auto: this CPU has bf16 units, AVX512-BF16 or AMX') if cpu_has_bf16() else
-                ('float32', 'auto: this CPU has no bf16 units; bf16 would be emulated, ~100x slower'))
+                ('float32', f"auto: this CPU has no bf16 units; bf16 would be emulated, "
+                            f"~{CPU_EMULATED_SLOWDOWN['bfloat16']}x slower"))
     if device.startswith('cuda'):
         cc = torch.cuda.get_device_capability(device)
         gpu = f'auto: {torch.cuda.get_device_name(device)} (compute capability {cc[0]}.{cc[1]})'
@@ -77,9 +90,11 @@ def choose_precision(config, device):
         dtype, why = least, 'auto: the choice of a rank whose hardware has less'
     if distributed.rank() == 0:
         print(f"precision: {dtype} ({why}){', with loss scaling' if dtype == 'float16' else ''}")
-        if dtype == 'bfloat16' and device.startswith('cpu') and not cpu_has_bf16():
-            print("warning: this CPU has no bf16 units: bfloat16 is emulated, ~100x slower than float32 "
-                  "(dtype='auto' picks float32 here)")
+        native = {'bfloat16': cpu_has_bf16, 'float16': cpu_has_fp16}.get(dtype, lambda: True)
+        if device.startswith('cpu') and not native():
+            print(f"warning: this CPU has no {dtype} units: {dtype} is emulated, "
+                  f"~{CPU_EMULATED_SLOWDOWN[dtype]}x slower than float32 "
+                  f"(dtype='auto' picks {resolve_dtype('auto', device)[0]} here)")
     return dict(config, dtype=dtype,  # compile "auto": on CUDA only
                 compile=device.startswith('cuda') if config['compile'] == 'auto' else config['compile'])
 

@@ -68,11 +68,11 @@ print(json.dumps(status('VmHWM') - base))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's peak RSS reset")
-# float32 only: bf16 is 100x slower on AVX2
+# float32 only: bf16 is about 130x slower on AVX2
 @pytest.mark.parametrize("L, H, C, V, T, B, dtype", [(*s[:-1], "float32") for s in SHAPES])
 def test_a_measured_peak_lies_between_the_count_and_the_estimate(L, H, C, V, T, B, dtype):
     """One training step on the CPU as the trainer takes it (its fused loss; glibc's defaults, one
-    thread, float32: AVX2-only CPUs emulate bf16, 100x slower), measured as the process's peak RSS:
+    thread, float32: AVX2-only CPUs emulate bf16, about 130x slower), measured as the process's peak RSS:
     at least the state (16 bytes a parameter) plus the counted activations, and at most the estimate
     (activations x ACTIVATIONS_TIMES, and OVERHEAD): measured 1.06-1.26x the count."""
     c = shape(L, H, C, V, T)

@@ -60,24 +60,46 @@ def inject_nan(script, cmd_args):
     return run_script(cmd_args, script=script, PYTHONPATH=ROOT)
 
 
-def cpuinfo_has_bf16():
-    """The independent reference: the kernel's CPU flags."""
+def cpuinfo_has(kind="bf16"):
+    """The independent reference: the kernel's CPU flags (kind: bf16 or fp16)."""
     with open("/proc/cpuinfo") as f:
         flags = next((line.split() for line in f if line.startswith("flags")), [])
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return f"avx512_{kind}" in flags or f"amx_{kind}" in flags
 
 
 @pytest.mark.quick
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or os.environ.get("ONEDNN_MAX_CPU_ISA") is not None,
                     reason="needs Linux's /proc/cpuinfo, and oneDNN free to use every instruction")
 def test_cpu_bf16_units_are_detected():
-    assert hardware.cpu_has_bf16() == cpuinfo_has_bf16()
+    assert hardware.cpu_has_bf16() == cpuinfo_has("bf16")
+    assert hardware.cpu_has_fp16() == cpuinfo_has("fp16")
+
+
+# oneDNN kept to AVX2, as on most laptops and Zen 3: every bf16 and float16 matmul emulated
+AVX2 = dict(ONEDNN_MAX_CPU_ISA="AVX2")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or os.environ.get("ONEDNN_MAX_CPU_ISA") is not None,
+                    reason="needs Linux's /proc/cpuinfo, and oneDNN free to use every instruction")
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("dtype, kind", [("float16", "fp16"), ("bfloat16", "bf16")])
+def test_a_precision_emulated_on_this_cpu_is_said_at_start(data, tmp_path, isa, dtype, kind):
+    """Issue 57.5: bf16 or float16 asked for on a CPU without units for it gets one warning at start, with
+    the slowdown and what auto would pick; the kernel's flags say which CPU has them."""
+    env = AVX2 if isa == "avx2" else {}
+    r = run_script(args(data, tmp_path, f"--dtype={dtype}", "--max_steps=1", "--eval_interval=0"), **env)
+    assert r.returncode == 0, r.stderr
+    warning = f"warning: this CPU has no {dtype} units: {dtype} is emulated, ~"
+    assert r.stdout.count(warning) == (isa == "avx2" or not cpuinfo_has(kind)), r.stdout
+    auto = "bfloat16" if isa == "native" and cpuinfo_has("bf16") else "float32"
+    said = r.stdout.count(f"x slower than float32 (dtype='auto' picks {auto} here)")
+    assert said == r.stdout.count(warning)
 
 
 @pytest.mark.quick
 def test_auto_picks_by_hardware(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: False)
-    no_bf16 = "auto: this CPU has no bf16 units; bf16 would be emulated, ~100x slower"
+    no_bf16 = "auto: this CPU has no bf16 units; bf16 would be emulated, ~130x slower"
     assert hardware.resolve_dtype("auto", "cpu") == ("float32", no_bf16)
     monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: True)
     assert hardware.resolve_dtype("auto", "cpu")[0] == "bfloat16"
