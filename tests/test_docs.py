@@ -169,6 +169,43 @@ def test_readme_trainer_lines_run_as_written(tmp_path):
         assert re.search(r"^step +0 \| loss ", r.stdout, re.M), (line, r.stdout[-2000:])
 
 
+def doc_trainer_lines():
+    """(file, line) for every line of a ```bash block in the README and docs/ that launches the trainer,
+    each loop variable given the first value of its `for` (docs/benchmarks.md's sweeps)."""
+    for path in ["README.md", *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
+        for block in re.findall(r"```bash\n(.*?)```", read(path), re.S):
+            first = dict(re.findall(r"for (\w+) in (\S+)", block))
+            for line in bash_lines(block):
+                for command in line.split(" && "):
+                    if "train_gpt2.py" in command:
+                        yield os.path.basename(path), re.sub(r"\$\{?(\w+)\}?", lambda m: first[m[1]], command)
+
+
+@pytest.mark.quick
+def test_every_doc_trainer_line_fits_its_processes(monkeypatch):
+    """Issue 57.1: each trainer line of the README and docs, GPU and cluster lines included, names
+    keys and values the trainer takes, and its batch fits the processes it launches (B*T*world
+    divides total_batch_size): the failure the README's 2-process line had, found without a run."""
+    import shlex
+    from gptkit.common import UserError
+    from gptkit.configurator import parse_config, trainer_defaults
+    monkeypatch.chdir(ROOT)  # config/... as the docs' commands name them
+    lines = list(doc_trainer_lines())
+    assert len(lines) >= 20, lines
+    for where, line in lines:
+        words = shlex.split(line)
+        at = words.index("train_gpt2.py")
+        launch = " ".join(words[:at])
+        world = int(re.search(r"nproc_per_node=(\d+)", launch)[1]) if "nproc_per_node" in launch else 1
+        world *= int(re.search(r"nnodes=(\d+)", launch)[1]) if "nnodes" in launch else 1
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        try:
+            config = parse_config(words[at + 1:], trainer_defaults())
+        except UserError as e:  # the user's one line, with the doc's line that meets it
+            pytest.fail(f"{where}: {line}\n{e}")
+        assert config["lr_schedule"] in ("cosine", "wsd"), (where, line)
+
+
 def test_readme_commands_run_in_order(tmp_path):
     """Issue 31.1: the README's commands, run in order as written, each do what its comment says:
     the quick start trains into log_demo/ (its config made tiny here, on random shards in
