@@ -7,6 +7,7 @@ import copy
 import os
 import re
 import sys
+import zipfile
 
 import torch
 
@@ -34,6 +35,14 @@ def list_checkpoints(log_dir):
                    if (m := re.fullmatch(r'model_(\d+)\.pt', n))], reverse=True)
 
 
+def load(path):
+    """torch.load of a checkpoint file, its tensors memory-mapped and no pickled code run. A file that
+    is not a whole zip archive is a ValueError that says so: torch's errors speak of miniz and mmap."""
+    if os.path.isfile(path) and not zipfile.is_zipfile(path):
+        raise ValueError("not a whole zip archive, as torch.save writes: cut short, or another kind of file")
+    return torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+
+
 def read_checkpoint(path):
     """The checkpoint at path, checked against a model and optimizer on the meta device (no memory):
     ValueError says what is wrong with it, OSError that it could not be read."""
@@ -46,7 +55,7 @@ def read_checkpoint(path):
         while f.read(1 << 24):
             pass
     try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)  # no pickled code runs
+        ckpt = load(path)
         missing = [k for k in RESUME_KEYS if k not in ckpt]
         if missing:
             raise ValueError(f"no {', '.join(missing)}: not a checkpoint this trainer can resume from")
@@ -84,20 +93,19 @@ def pick_checkpoint(log_dir):
         try:
             ckpt = read_checkpoint(path)
         except ValueError as e:
-            print(f"warning: cannot resume from {path}: {e}")
-            bad.append(path)
+            bad.append((path, e))
             continue
         except (OSError, MemoryError) as e:
             raise UserError(f"cannot read {path} ({type(e).__name__}: {e}); that is no proof the checkpoint "
                             f"is bad, so nothing falls back: fix the cause and run again") from None
-        for p in bad:  # replacing an earlier .bad of this step, if any (the same state: resuming is exact)
+        for p, why in bad:  # replacing an earlier .bad of this step, if any (the same state: resumes exactly)
             os.replace(p, f"{p}.bad")
-            print(f"warning: renamed {p} to {p}.bad; resuming from the previous checkpoint, {path}")
+            print(f"warning: cannot resume from {p}: {why}; renamed it {os.path.basename(p)}.bad")
         return step, path, ckpt
-    if bad:
-        raise UserError(f"{log_dir!r} holds checkpoints but none can be resumed from (see above; with no "
-                        f"older one to fall back to, none is renamed): move them away to start afresh, or "
-                        f"point log_dir elsewhere")
+    if bad:  # one line for them all: with no older one to fall back to, none is renamed
+        whys = '; '.join(f"{p}: {why}" for p, why in bad)
+        raise UserError(f"{log_dir!r} holds checkpoints but none can be resumed from ({whys}): move them "
+                        f"away to start afresh, or point log_dir elsewhere")
     return -1, None, None
 
 
@@ -116,7 +124,7 @@ def find_checkpoint(log_dir, resume):
     path, error = distributed.gather_objects((path, error))[0]  # rank 0's verdict: its file, or its error
     if rank > 0 and path is not None:
         try:
-            ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+            ckpt = load(path)
         except Exception as e:  # not there, or unreadable here: this rank's line, then every rank stops
             error = f"rank {rank} cannot read {path}: {type(e).__name__}: {e}"
             print(f"error: {error}", file=sys.stderr)

@@ -7,8 +7,7 @@ import os
 import pickle
 import sys
 
-import torch
-
+from gptkit import checkpoint
 from gptkit.checkpoint import list_checkpoints
 from gptkit.common import UserError
 from model import GPT, OPENAI_MODELS, GPTConfig
@@ -40,9 +39,9 @@ def read_checkpoint_weights(path):
     """(GPTConfig, state dict) of a train_gpt2.py checkpoint, for the tools: the tensors memory-
     mapped, nothing unpickled but tensors and plain values. Anything else is a ValueError."""
     try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+        ckpt = checkpoint.load(path)
         return GPTConfig.from_dict(ckpt['config']), ckpt['model']
-    except NOT_A_CHECKPOINT as e:
+    except (*NOT_A_CHECKPOINT, ValueError) as e:
         raise unreadable_checkpoint(path, e) from None
 
 

@@ -552,6 +552,12 @@ def test_export_errors(exported, run, tmp_path):
     log_dir, _ = run
     r = tool("export_hf.py", str(log_dir / "log.txt"), str(tmp_path / "x"))
     assert r.returncode == 1 and "log.txt: not a readable train_gpt2.py checkpoint" in r.stderr
+    cut = tmp_path / "cut.pt"  # a copy cut short: what a full disk leaves (torch's own line speaks of mmap)
+    cut.write_bytes(ckpt.read_bytes()[:100_000])
+    r = tool("export_hf.py", str(cut), str(tmp_path / "x"))
+    assert r.returncode == 1 and r.stderr == (f"error: {cut}: not a readable train_gpt2.py checkpoint "
+                                              f"(ValueError: not a whole zip archive, as torch.save writes: "
+                                              f"cut short, or another kind of file)\n"), r.stderr
     small = tmp_path / "small.pt"
     config = {"vocab_size": 512, "block_size": 32, "n_layer": 1, "n_head": 1, "n_embd": 8}
     torch.save({"config": config, "model": {}}, small)
