@@ -8,7 +8,6 @@ import pickle
 import sys
 
 from gptkit import checkpoint
-from gptkit.checkpoint import list_checkpoints
 from gptkit.common import UserError
 from model import GPT, OPENAI_MODELS, GPTConfig
 
@@ -18,7 +17,7 @@ def model_in(name):
     path of its newest checkpoint, said on stderr: for the tools that take --model."""
     if not os.path.isdir(name) or os.path.isfile(os.path.join(name, 'config.json')):
         return name
-    found = list_checkpoints(name)
+    found = checkpoint.list_checkpoints(name)
     if not found:
         raise UserError(f"{name}: neither a HF model folder (no config.json) nor a run's log_dir "
                         f"(no model_NNNNN.pt)")
