@@ -25,9 +25,11 @@ def model_in(name):
     return found[0][1]
 
 
-# what reading something other than a train_gpt2.py checkpoint raises: a missing file, another
-# format, build-nanogpt's pickled GPTConfig (UnpicklingError), other keys or shapes
-NOT_A_CHECKPOINT = (OSError, RuntimeError, KeyError, TypeError, AttributeError, pickle.UnpicklingError)
+# what reading something other than a train_gpt2.py checkpoint raises: a missing file, a file cut short
+# or of another format (checkpoint.load's ValueError), build-nanogpt's pickled GPTConfig
+# (UnpicklingError), other keys or shapes
+NOT_A_CHECKPOINT = (OSError, RuntimeError, KeyError, TypeError, AttributeError, ValueError,
+                    pickle.UnpicklingError)
 
 
 def unreadable_checkpoint(path, error):
@@ -40,7 +42,7 @@ def read_checkpoint_weights(path):
     try:
         ckpt = checkpoint.load(path)
         return GPTConfig.from_dict(ckpt['config']), ckpt['model']
-    except (*NOT_A_CHECKPOINT, ValueError) as e:
+    except NOT_A_CHECKPOINT as e:
         raise unreadable_checkpoint(path, e) from None
 
 

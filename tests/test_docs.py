@@ -131,9 +131,9 @@ def test_slurm_lead_time_is_one_figure():
     assert {m for t in texts for m in re.findall(r"(?:B:)?(?:TERM|USR1)@(\d+)", t)} == {"300"}
 
 
-def readme_commands():
-    """Every command of the README's ```bash blocks, in order ('a && b' is two; continued lines joined)."""
-    blocks = re.findall(r"```bash\n(.*?)```", read("README.md"), re.S)
+def doc_commands(path="README.md"):
+    """Every command of a document's ```bash blocks, in order ('a && b' is two; continued lines joined)."""
+    blocks = re.findall(r"```bash\n(.*?)```", read(path), re.S)
     return [c.strip() for block in blocks for line in bash_lines(block) for c in line.split(" && ")]
 
 
@@ -157,7 +157,7 @@ def test_readme_trainer_lines_run_as_written(tmp_path):
     from conftest import random_shards
     random_shards(tmp_path / "demo_stdlib", 0, 16384 + 1, [3 * 4096 + 1], vocab=50257)
     (tmp_path / "config").symlink_to(os.path.join(ROOT, "config"))
-    lines = [c for c in readme_commands() if "train_gpt2.py" in c and left_out(c) is None]
+    lines = [c for c in doc_commands() if "train_gpt2.py" in c and left_out(c) is None]
     assert len(lines) == 2, lines
     for line in lines:
         words = shlex.split(line)
@@ -173,12 +173,10 @@ def doc_trainer_lines():
     """(file, line) for every line of a ```bash block in the README and docs/ that launches the trainer,
     each loop variable given the first value of its `for` (docs/benchmarks.md's sweeps)."""
     for path in ["README.md", *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
-        for block in re.findall(r"```bash\n(.*?)```", read(path), re.S):
-            first = dict(re.findall(r"for (\w+) in (\S+)", block))
-            for line in bash_lines(block):
-                for command in line.split(" && "):
-                    if "train_gpt2.py" in command:
-                        yield os.path.basename(path), re.sub(r"\$\{?(\w+)\}?", lambda m: first[m[1]], command)
+        first = dict(re.findall(r"for (\w+) in (\S+)", read(path)))
+        for command in doc_commands(path):
+            if "train_gpt2.py" in command:
+                yield os.path.basename(path), re.sub(r"\$\{?(\w+)\}?", lambda m: first[m[1]], command)
 
 
 @pytest.mark.quick
@@ -214,7 +212,7 @@ def test_readme_commands_run_in_order(tmp_path):
     "Looking at a run" lines plot, sample and export it. What is left out is left out by rule."""
     import shlex
     from conftest import random_shards
-    lines = readme_commands()
+    lines = doc_commands()
     run_here = [c for c in lines if left_out(c) is None]
     assert len(lines) - len(run_here) == 15, [c for c in lines if left_out(c)]
     assert run_here == ["python fineweb.py --demo", "python train_gpt2.py config/demo_cpu.py",

@@ -60,6 +60,11 @@ def inject_nan(script, cmd_args):
     return run_script(cmd_args, script=script, PYTHONPATH=ROOT)
 
 
+# the reference below, with oneDNN free to use every instruction the kernel lists
+needs_cpuinfo = pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or "ONEDNN_MAX_CPU_ISA" in os.environ,
+                                   reason="needs Linux's /proc/cpuinfo, and no ONEDNN_MAX_CPU_ISA")
+
+
 def cpuinfo_has(kind="bf16"):
     """The independent reference: the kernel's CPU flags (kind: bf16 or fp16)."""
     with open("/proc/cpuinfo") as f:
@@ -68,8 +73,7 @@ def cpuinfo_has(kind="bf16"):
 
 
 @pytest.mark.quick
-@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or os.environ.get("ONEDNN_MAX_CPU_ISA") is not None,
-                    reason="needs Linux's /proc/cpuinfo, and oneDNN free to use every instruction")
+@needs_cpuinfo
 def test_cpu_bf16_units_are_detected():
     assert hardware.cpu_has_bf16() == cpuinfo_has("bf16")
     assert hardware.cpu_has_fp16() == cpuinfo_has("fp16")
@@ -79,8 +83,7 @@ def test_cpu_bf16_units_are_detected():
 AVX2 = dict(ONEDNN_MAX_CPU_ISA="AVX2")
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or os.environ.get("ONEDNN_MAX_CPU_ISA") is not None,
-                    reason="needs Linux's /proc/cpuinfo, and oneDNN free to use every instruction")
+@needs_cpuinfo
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("dtype, kind", [("float16", "fp16"), ("bfloat16", "bf16")])
 def test_a_precision_emulated_on_this_cpu_is_said_at_start(data, tmp_path, isa, dtype, kind):
